@@ -1,0 +1,29 @@
+# Two commands: `make run` (set up + the main job on ShapesWorld) and `make test` (set up + tests).
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+
+.PHONY: setup run test lint smoke clean
+setup: $(VENV)/.installed
+
+# torch first, from the CPU build on this machine's disk: a plain `torch` requirement would
+# resolve a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+run: setup
+	PATH=$(abspath $(BIN)):$$PATH dvc repro
+
+lint: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+test: lint
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest
+
+clean:
+	rm -rf .prefect mlflow.db mlruns

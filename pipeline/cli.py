@@ -1,0 +1,165 @@
+"""`creditflow <stage>`: one subcommand per pipeline stage, all reading `params.yaml`.
+
+Every command takes `--params FILE` and repeatable `-S key=value` overrides with the same syntax
+as `dvc exp run -S`. A bad parameter prints one line `error: <key>: <expected>` and exits 2
+before anything is written.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from pipeline.config import Config, ConfigError, load_config
+
+app = typer.Typer(
+    name="creditflow",
+    help="GRPO fine-tuning of flow-matching text-to-image models with step-wise credit assignment.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ParamsFile = Annotated[
+    Path, typer.Option("--params", help="params file; relative paths inside resolve against it")
+]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Option("-S", "--set", help="override a parameter, e.g. -S train.rounds=5 (repeatable)"),
+]
+DEFAULT_PARAMS = Path("params.yaml")
+
+
+def _config(params: Path, overrides: list[str] | None, *extra: str) -> Config:
+    from pipeline.tracking import configure_environment
+
+    cfg = load_config(params, [*(overrides or []), *extra])
+    configure_environment(cfg.root)
+    return cfg
+
+
+def _run(name: str, params: Path, overrides: list[str] | None, *extra: str, **kwargs: Any) -> Any:
+    from pipeline.flows import run_stage
+
+    cfg = _config(params, overrides, *extra)
+    return run_stage(name, cfg, **kwargs)
+
+
+@app.command()
+def prompts(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+    """Write the train/test prompt sets in GenEval metadata format."""
+    _run("prompts", params, set_)
+
+
+@app.command()
+def base(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+    """Produce the base policy (train ShapesWorld's model and ShapesCLIP, or check SD3 weights)."""
+    _run("base", params, set_)
+
+
+@app.command()
+def rollout(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    out: Annotated[Path, typer.Option(help="rollout dataset directory")] = Path("data/rollouts"),
+    round_: Annotated[int, typer.Option("--round", help="round number to write")] = 0,
+) -> None:
+    """Sample G trajectories per prompt with the method's SDE and cache them to Parquet."""
+    _run("rollout", params, set_, out=out, round_index=round_)
+
+
+@app.command()
+def score(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
+    round_: Annotated[int, typer.Option("--round")] = 0,
+) -> None:
+    """Score cached trajectories' clean-image estimates with the configured rewards."""
+    _run("score", params, set_, rollouts=rollouts, round_index=round_)
+
+
+@app.command()
+def advantages(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
+    round_: Annotated[int, typer.Option("--round")] = 0,
+) -> None:
+    """Turn a round's scores into per-(trajectory, step) advantages with the method's rule."""
+    _run("advantages", params, set_, rollouts=rollouts, round_index=round_)
+
+
+@app.command()
+def update(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
+    round_: Annotated[int, typer.Option("--round")] = 0,
+) -> None:
+    """One PPO-clip GRPO update of the LoRA weights from a scored round."""
+    _run("update", params, set_, rollouts=rollouts, round_index=round_)
+
+
+@app.command()
+def train(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    method: Annotated[str | None, typer.Option(help="shortcut for -S train.method=...")] = None,
+    seed: Annotated[int | None, typer.Option(help="shortcut for -S train.seed=...")] = None,
+) -> None:
+    """Train with GRPO: rounds of rollout -> score -> advantages -> update (resumable)."""
+    extra = [f"train.method={method}"] if method is not None else []
+    extra += [f"train.seed={seed}"] if seed is not None else []
+    _run("train", params, set_, *extra)
+
+
+@app.command()
+def evaluate(
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+    policy: Annotated[
+        str, typer.Option(help="'base' or a training run such as stepwise-s0")
+    ] = "base",
+) -> None:
+    """GenEval protocol on the test prompts for the base model or a trained policy."""
+    _run("evaluate", params, set_, policy=policy)
+
+
+@app.command()
+def report(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+    """Plots and a markdown summary comparing the methods."""
+    _run("report", params, set_)
+
+
+@app.command()
+def rescore(
+    rollouts: Annotated[Path, typer.Option(help="existing rollout dataset (left untouched)")],
+    rewards: Annotated[str, typer.Option(help="reward mix, NAME[=WEIGHT],...")],
+    out: Annotated[Path, typer.Option(help="directory for the new score table")],
+    params: ParamsFile = DEFAULT_PARAMS,
+    set_: Overrides = None,
+) -> None:
+    """Score existing rollouts with another reward mix and compare its credit with the old one."""
+    _run("rescore", params, set_, rollouts=rollouts, rewards=rewards, out=out)
+
+
+@app.command()
+def bench(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+    """Side-by-side sample-efficiency and cost benchmark of the three methods."""
+    _run("bench", params, set_)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,288 @@
+"""Typed, validated configuration: one pydantic model per `params.yaml` section.
+
+`params.yaml` is the single source of every knob. `load_config` reads it, applies `-S key=value`
+overrides (the same syntax as `dvc exp run -S`), and validates everything up front, so a typo
+fails before any work starts with one readable line (see `ConfigError`). Paths in the file are
+relative to the directory that holds it, never to the current directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Method = Literal["flow_grpo", "stepwise", "tp_grpo"]
+SamplerKind = Literal["ode", "flow_grpo", "cps", "stepwise"]
+Tag = Literal["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+PositiveInt = Annotated[int, Field(ge=1)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+Probability = Annotated[float, Field(ge=0, le=1)]
+
+#: The SDE each method samples with when `rollout.sampler` is `auto`.
+METHOD_SAMPLER: dict[str, str] = {
+    "flow_grpo": "flow_grpo",
+    "stepwise": "stepwise",
+    "tp_grpo": "flow_grpo",
+}
+
+
+class ConfigError(ValueError):
+    """A bad parameter: the message is one line, `<dotted.key>: <what was expected>`."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorldParams(Section):
+    """ShapesWorld: what scenes look like."""
+
+    image_size: PositiveInt = 32  # pixels per side
+    shapes: list[str] = ["circle", "square", "triangle"]
+    colors: list[str] = [
+        "red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white",
+    ]  # fmt: skip
+    max_count: Annotated[int, Field(ge=1, le=4)] = 4  # largest count in counting prompts
+
+
+class PromptsParams(Section):
+    """`prompts` stage: GenEval-format train/test prompt sets."""
+
+    n_train: PositiveInt = 600
+    n_test: PositiveInt = 120  # spread evenly over the six tags
+    seed: int = 0
+
+
+class ModelParams(Section):
+    """Which policy backend the loop trains."""
+
+    backend: Literal["shapes", "sd3"] = "shapes"
+    path: Path = Path("data/base/model")  # shapes: written by `base`; sd3: local diffusers dir
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights; SDE math is always fp32
+    device: str = "cpu"
+
+
+class BaseParams(Section):
+    """`base` stage: pretraining of the embedded flow model and of ShapesCLIP."""
+
+    steps: PositiveInt = 6000
+    batch_size: PositiveInt = 64
+    lr: PositiveFloat = 1e-3
+    warmup: Annotated[int, Field(ge=0)] = 200
+    ema_decay: Probability = 0.999
+    caption_dropout: Probability = 0.1  # share of empty captions, for classifier-free guidance
+    seed: int = 0
+    clip_steps: PositiveInt = 1500  # ShapesCLIP contrastive training steps
+    clip_batch_size: PositiveInt = 64
+
+
+class SamplingParams(Section):
+    """The denoising schedule shared by rollouts, scoring and evaluation."""
+
+    num_steps: PositiveInt = 10  # training-time denoising steps T
+    shift: PositiveFloat = 3.0  # FlowMatchEulerDiscreteScheduler shift
+    guidance: Annotated[float, Field(ge=1)] = 4.5  # classifier-free guidance scale (1 = off)
+    eval_num_steps: PositiveInt = 20
+
+
+class RolloutParams(Section):
+    """`rollout` stage: G trajectories per prompt with the method's SDE."""
+
+    prompts_per_round: PositiveInt = 8
+    group_size: Annotated[int, Field(ge=2)] = 8  # G, trajectories per prompt group
+    sampler: Literal["auto", "flow_grpo", "cps", "stepwise"] = "auto"  # auto: the method's own SDE
+    eta: Annotated[float, Field(ge=0)] = 0.7  # noise level a (flow_grpo, cps) or eta (stepwise)
+    window_start: Annotated[int, Field(ge=0)] = 0  # first stochastic step
+    window_end: int = -1  # one past the last stochastic step; -1 = all but the final step
+    shared_noise: bool = False  # all samples of a group start from the same x_T
+
+
+class ScoreParams(Section):
+    """`score` stage: rewards of clean-image estimates of cached states."""
+
+    rewards: dict[str, Annotated[float, Field(ge=0)]] = {"geneval": 1.0}  # name -> weight
+    ode_substeps: PositiveInt = 5  # T' for the stepwise estimator (1 = Tweedie)
+    estimator: Literal["tweedie", "ode_substeps"] = "ode_substeps"  # stepwise's clean estimate
+    batch_size: PositiveInt = 256  # states per model call when completing estimates
+    estimate_images: Annotated[int, Field(ge=0)] = 4  # trajectories whose estimates are kept
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> ScoreParams:
+        if not self.rewards or sum(self.rewards.values()) <= 0:
+            raise ValueError("needs at least one reward with a positive weight")
+        return self
+
+
+class AdvantagesParams(Section):
+    """`advantages` stage: per-method credit assignment."""
+
+    clip: PositiveFloat = 5.0
+    global_std: bool = False  # flow_grpo: std of the whole round instead of the group
+    normalization: Literal["joint", "per_step"] = "joint"  # stepwise
+    tp_consistency: bool = True  # tp_grpo: sign(d_k) must agree with sign(R_sde - R_k)
+    tp_first_step: bool = True  # tp_grpo: the k = 1 turning-point rule
+    tp_balance: bool = True  # tp_grpo: balance turning points by the sign of their trend
+
+
+class UpdateParams(Section):
+    """`update` stage: PPO-clip GRPO on LoRA weights."""
+
+    lr: PositiveFloat = 3e-4
+    lora_rank: PositiveInt = 8
+    lora_alpha: PositiveFloat = 16.0
+    clip_range: PositiveFloat = 1e-3  # PPO ratio clip; log-probs are means over elements
+    kl_beta: Annotated[float, Field(ge=0)] = 0.004
+    inner_epochs: PositiveInt = 1
+    minibatch_size: PositiveInt = 32  # (trajectory, step) pairs per optimizer step
+    max_grad_norm: PositiveFloat = 1.0
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+
+
+class TrainParams(Section):
+    """`train` flow: rounds of rollout -> score -> advantages -> update."""
+
+    method: Method = "flow_grpo"  # what a plain `creditflow train` runs
+    methods: list[Method] = ["flow_grpo", "stepwise", "tp_grpo"]  # the DVC matrix
+    seeds: list[int] = [0, 1]  # the DVC matrix
+    seed: int = 0
+    rounds: PositiveInt = 20
+
+
+class EvaluateParams(Section):
+    """`evaluate` stage: GenEval protocol on the test prompts."""
+
+    images_per_prompt: PositiveInt = 4
+    seed: int = 1234
+    batch_size: PositiveInt = 64
+
+
+class Config(Section):
+    """All of `params.yaml`. `root` is the directory relative paths are resolved against."""
+
+    root: Path = Path(".")
+    world: WorldParams = WorldParams()
+    prompts: PromptsParams = PromptsParams()
+    model: ModelParams = ModelParams()
+    base: BaseParams = BaseParams()
+    sampling: SamplingParams = SamplingParams()
+    rollout: RolloutParams = RolloutParams()
+    score: ScoreParams = ScoreParams()
+    advantages: AdvantagesParams = AdvantagesParams()
+    update: UpdateParams = UpdateParams()
+    train: TrainParams = TrainParams()
+    evaluate: EvaluateParams = EvaluateParams()
+
+    @model_validator(mode="after")
+    def _window_inside_schedule(self) -> Config:
+        start, stop = self.rollout.window_start, self.sde_window_end
+        if not 0 <= start < stop <= self.sampling.num_steps:
+            raise ValueError(
+                f"rollout.window_start..window_end selects steps [{start}, {stop}) of "
+                f"{self.sampling.num_steps}: expected a non-empty range inside the schedule"
+            )
+        return self
+
+    @property
+    def sde_window_end(self) -> int:
+        """`rollout.window_end` as an absolute step index (one past the last SDE step)."""
+        end = self.rollout.window_end
+        return end if end >= 0 else self.sampling.num_steps + end
+
+    @property
+    def sampler(self) -> str:
+        """The SDE kind of the rollouts: `rollout.sampler`, or the method's own when `auto`."""
+        chosen = self.rollout.sampler
+        return METHOD_SAMPLER[self.train.method] if chosen == "auto" else chosen
+
+    def path(self, relative: Path | str) -> Path:
+        """Resolve a path from `params.yaml` against the file's directory."""
+        p = Path(relative)
+        return p if p.is_absolute() else self.root / p
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted-key view of every parameter, for logging to MLflow."""
+        return _flatten(self.model_dump(mode="json", exclude={"root"}))
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`"train.method=tp_grpo"` -> (["train", "method"], "tp_grpo"); values parsed as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{text}: overrides look like key=value, e.g. train.method=tp_grpo")
+    return key.strip().split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(tree: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each dotted `key=value` in a copy of the raw params tree."""
+    tree = yaml.safe_load(yaml.safe_dump(tree))  # deep copy of plain data
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = tree
+        for depth, key in enumerate(keys[:-1]):
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{'.'.join(keys[: depth + 1])}: is a value, not a section")
+            node = child
+        node[keys[-1]] = value
+    return tree
+
+
+def load_config(params: Path | str = "params.yaml", overrides: list[str] = ()) -> Config:
+    """Read, override and validate `params.yaml`; raise `ConfigError` with one readable line."""
+    params = Path(params).resolve()
+    if not params.is_file():
+        raise ConfigError(f"params: file not found: {params}")
+    try:
+        tree = yaml.safe_load(params.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(
+            f"params: {params.name} is not valid YAML ({exc.__class__.__name__})"
+        ) from exc
+    if not isinstance(tree, dict):
+        raise ConfigError(f"params: {params.name} must be a mapping of sections")
+    tree = apply_overrides(tree, list(overrides))
+    tree["root"] = str(params.parent)
+    return validate(tree)
+
+
+def validate(tree: dict[str, Any]) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_first_error_line(exc)) from None
+
+
+def _first_error_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    key = ".".join(str(part) for part in err["loc"])
+    value = err.get("input")
+    kind = err["type"]
+    if not key:  # a cross-section check: its message names the keys itself
+        return err["msg"].removeprefix("Value error, ")
+    if kind == "literal_error":
+        choices = _literal_choices(err["ctx"]["expected"])
+        return f"{key}: {value!r} is not one of {choices}"
+    if kind == "extra_forbidden":
+        return f"{key}: unknown key (check the spelling against params.yaml)"
+    if kind == "value_error":
+        return f"{key}: {err['msg'].removeprefix('Value error, ')}"
+    return f"{key}: {err['msg'].lower()}, got {value!r}"
+
+
+def _literal_choices(expected: str) -> str:
+    # pydantic renders choices as "'a', 'b' or 'c'"; users read "a, b, c" faster.
+    return expected.replace("'", "").replace(" or ", ", ")

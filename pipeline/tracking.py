@@ -1,0 +1,141 @@
+"""Offline environment and MLflow tracking, from one place.
+
+Layout in MLflow (`sqlite:///<repo>/mlflow.db`, artifacts under `<repo>/mlruns`): one experiment
+`creditflow`; one *parent* run per pipeline run; one *child* per stage invocation (per method and
+seed for training). Every process of one `dvc repro` finds the same parent through the
+`creditflow.pipeline` tag: a hash of the params file and the git commit, so an unchanged pipeline
+run keeps adding to its parent while `dvc exp run -S ...` (new params) opens a new one. Set
+`CREDITFLOW_PIPELINE_RUN` to group runs by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import subprocess
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import mlflow
+
+    from pipeline.config import Config
+
+EXPERIMENT = "creditflow"
+PIPELINE_TAG = "creditflow.pipeline"
+STAGE_TAG = "creditflow.stage"
+
+
+def configure_environment(root: Path) -> None:
+    """Offline, quiet defaults for every library; call before importing prefect or mlflow."""
+    defaults = {
+        "DO_NOT_TRACK": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "MLFLOW_TRACKING_URI": tracking_uri(root),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "DISABLE_TELEMETRY": "1",  # diffusers
+        "TOKENIZERS_PARALLELISM": "false",
+        "PREFECT_HOME": str(root / ".prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # Tasks called outside a flow (tests, single stages) have no flow run to attach logs to.
+        "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    for noisy in ("alembic", "mlflow.store.db.utils", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def tracking_uri(root: Path) -> str:
+    return f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+
+
+def pipeline_key(cfg: Config) -> str:
+    """Identity of one pipeline run: params content + git commit (or the env override)."""
+    if key := os.environ.get("CREDITFLOW_PIPELINE_RUN"):
+        return key
+    digest = hashlib.sha256(cfg.model_dump_json(exclude={"root"}).encode())
+    digest.update(_git_head(cfg.root).encode())
+    return digest.hexdigest()[:12]
+
+
+def _git_head(root: Path) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=False
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip()
+
+
+def _experiment_id(root: Path) -> str:
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(root))
+    found = mlflow.get_experiment_by_name(EXPERIMENT)
+    if found is not None:
+        return found.experiment_id
+    artifacts = (Path(root).resolve() / "mlruns").as_uri()
+    return mlflow.create_experiment(EXPERIMENT, artifact_location=artifacts)
+
+
+def _parent_run_id(cfg: Config, experiment_id: str) -> str:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    key = pipeline_key(cfg)
+    found = client.search_runs(
+        [experiment_id], filter_string=f"tags.`{PIPELINE_TAG}` = '{key}'", max_results=1
+    )
+    if found:
+        return found[0].info.run_id
+    run = client.create_run(experiment_id, run_name=f"pipeline-{key}", tags={PIPELINE_TAG: key})
+    client.log_batch(run.info.run_id, params=_params(cfg.flat()))
+    client.set_terminated(run.info.run_id)
+    return run.info.run_id
+
+
+def _params(flat: Mapping[str, Any]) -> list[mlflow.entities.Param]:
+    from mlflow.entities import Param
+
+    return [Param(key, str(value)[:500]) for key, value in sorted(flat.items())]
+
+
+@contextmanager
+def stage_run(cfg: Config, stage: str, name: str | None = None) -> Iterator[mlflow.ActiveRun]:
+    """A child run of this pipeline run's parent, with the flattened params logged at start."""
+    import mlflow
+
+    experiment_id = _experiment_id(cfg.root)
+    parent = _parent_run_id(cfg, experiment_id)
+    run_name = name or stage
+    with mlflow.start_run(
+        experiment_id=experiment_id,
+        run_name=run_name,
+        tags={
+            "mlflow.parentRunId": parent,
+            PIPELINE_TAG: pipeline_key(cfg),
+            STAGE_TAG: stage,
+        },
+    ) as run:
+        mlflow.log_params({key: str(value)[:500] for key, value in cfg.flat().items()})
+        yield run
+
+
+def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
+    """Log finite scalar metrics to the active run (no-op outside one)."""
+    import math
+
+    import mlflow
+
+    if mlflow.active_run() is None:
+        return
+    clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+    if clean:
+        mlflow.log_metrics(clean, step=step)
