@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
-from pipeline.config import Config, ConfigError, load_config
+from pipeline.config import Config, CreditflowError, load_config
 
 app = typer.Typer(
     name="creditflow",
@@ -60,48 +60,55 @@ def base(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
     _run("base", params, set_)
 
 
+RunDir = Annotated[
+    Path | None,
+    typer.Option("--run", help="training run directory [default: data/train/<method>-s<seed>]"),
+]
+RoundIndex = Annotated[int, typer.Option("--round", help="round number")]
+
+
 @app.command()
 def rollout(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
-    out: Annotated[Path, typer.Option(help="rollout dataset directory")] = Path("data/rollouts"),
-    round_: Annotated[int, typer.Option("--round", help="round number to write")] = 0,
+    run: RunDir = None,
+    round_: RoundIndex = 0,
 ) -> None:
     """Sample G trajectories per prompt with the method's SDE and cache them to Parquet."""
-    _run("rollout", params, set_, out=out, round_index=round_)
+    _run("rollout", params, set_, run=run, round_index=round_)
 
 
 @app.command()
 def score(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
-    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
-    round_: Annotated[int, typer.Option("--round")] = 0,
+    run: RunDir = None,
+    round_: RoundIndex = 0,
 ) -> None:
-    """Score cached trajectories' clean-image estimates with the configured rewards."""
-    _run("score", params, set_, rollouts=rollouts, round_index=round_)
+    """Score a round's final images and the clean-image estimates its method needs."""
+    _run("score", params, set_, run=run, round_index=round_)
 
 
 @app.command()
 def advantages(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
-    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
-    round_: Annotated[int, typer.Option("--round")] = 0,
+    run: RunDir = None,
+    round_: RoundIndex = 0,
 ) -> None:
     """Turn a round's scores into per-(trajectory, step) advantages with the method's rule."""
-    _run("advantages", params, set_, rollouts=rollouts, round_index=round_)
+    _run("advantages", params, set_, run=run, round_index=round_)
 
 
 @app.command()
 def update(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
-    rollouts: Annotated[Path, typer.Option(help="rollout dataset")] = Path("data/rollouts"),
-    round_: Annotated[int, typer.Option("--round")] = 0,
+    run: RunDir = None,
+    round_: RoundIndex = 0,
 ) -> None:
-    """One PPO-clip GRPO update of the LoRA weights from a scored round."""
-    _run("update", params, set_, rollouts=rollouts, round_index=round_)
+    """One PPO-clip GRPO update of the LoRA weights from a scored round, then a checkpoint."""
+    _run("update", params, set_, run=run, round_index=round_)
 
 
 @app.command()
@@ -112,9 +119,13 @@ def train(
     seed: Annotated[int | None, typer.Option(help="shortcut for -S train.seed=...")] = None,
 ) -> None:
     """Train with GRPO: rounds of rollout -> score -> advantages -> update (resumable)."""
+    from pipeline.flows import run_stage
+    from pipeline.layout import run_name
+
     extra = [f"train.method={method}"] if method is not None else []
     extra += [f"train.seed={seed}"] if seed is not None else []
-    _run("train", params, set_, *extra)
+    cfg = _config(params, set_, *extra)
+    run_stage("train", cfg, run_name=f"train/{run_name(cfg.train.method, cfg.train.seed)}")
 
 
 @app.command()
@@ -156,9 +167,9 @@ def bench(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
 def main() -> None:
     try:
         app()
-    except ConfigError as exc:
+    except CreditflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

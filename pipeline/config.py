@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Method = Literal["flow_grpo", "stepwise", "tp_grpo"]
 SamplerKind = Literal["ode", "flow_grpo", "cps", "stepwise"]
@@ -29,8 +36,16 @@ METHOD_SAMPLER: dict[str, str] = {
 }
 
 
-class ConfigError(ValueError):
-    """A bad parameter: the message is one line, `<dotted.key>: <what was expected>`."""
+class CreditflowError(Exception):
+    """An error the user can act on: the CLI prints its one-line message, no traceback."""
+
+    exit_code = 1
+
+
+class ConfigError(CreditflowError, ValueError):
+    """A bad parameter or input path: one line, `<dotted.key>: <what was expected>`."""
+
+    exit_code = 2
 
 
 class Section(BaseModel):
@@ -109,11 +124,10 @@ class ScoreParams(Section):
     batch_size: PositiveInt = 256  # states per model call when completing estimates
     estimate_images: Annotated[int, Field(ge=0)] = 4  # trajectories whose estimates are kept
 
-    @model_validator(mode="after")
-    def _some_weight(self) -> ScoreParams:
-        if not self.rewards or sum(self.rewards.values()) <= 0:
-            raise ValueError("needs at least one reward with a positive weight")
-        return self
+    @field_validator("rewards")
+    @classmethod
+    def _known_rewards(cls, rewards: dict[str, float]) -> dict[str, float]:
+        return check_reward_mix(rewards)
 
 
 class AdvantagesParams(Section):
@@ -149,6 +163,7 @@ class TrainParams(Section):
     seeds: list[int] = [0, 1]  # the DVC matrix
     seed: int = 0
     rounds: PositiveInt = 20
+    keep_rollouts: Annotated[int, Field(ge=0)] = 3  # newest rounds whose states stay; 0 = all
 
 
 class EvaluateParams(Section):
@@ -205,6 +220,18 @@ class Config(Section):
     def flat(self) -> dict[str, Any]:
         """Dotted-key view of every parameter, for logging to MLflow."""
         return _flatten(self.model_dump(mode="json", exclude={"root"}))
+
+
+def check_reward_mix(rewards: dict[str, float]) -> dict[str, float]:
+    """Reward names must be registered and some weight positive (else a ValueError)."""
+    from pipeline.rewards import REWARDS
+
+    if not rewards or sum(rewards.values()) <= 0:
+        raise ValueError("needs at least one reward with a positive weight")
+    for name in rewards:
+        if name not in REWARDS:
+            raise ValueError(f"{name!r} is not one of {', '.join(REWARDS)}")
+    return rewards
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -139,3 +139,11 @@ def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
     clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
     if clean:
         mlflow.log_metrics(clean, step=step)
+
+
+def log_artifact(path: Path) -> None:
+    """Attach a file (a sample grid, a plot) to the active run (no-op outside one)."""
+    import mlflow
+
+    if mlflow.active_run() is not None:
+        mlflow.log_artifact(str(path))

@@ -12,9 +12,8 @@ from prefect import task
 from pipeline import world
 from pipeline.config import Config
 from pipeline.io import atomic_path
+from pipeline.layout import PROMPTS
 from pipeline.tracking import log_metrics
-
-OUT = "data/prompts"
 
 
 @task(name="prompts")
@@ -27,7 +26,7 @@ def prompts(cfg: Config) -> dict[str, int]:
         colors=tuple(cfg.world.colors),
         max_count=cfg.world.max_count,
     )
-    with atomic_path(cfg.path(OUT)) as tmp:
+    with atomic_path(cfg.path(PROMPTS)) as tmp:
         tmp.mkdir()
         world.write_prompts(tmp / "train.jsonl", train)
         world.write_prompts(tmp / "test.jsonl", test)

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -25,3 +26,57 @@ def project(tmp_path) -> Path:
     root.mkdir()
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     return root
+
+
+# Overrides that make a whole GRPO round take well under a second on a tiny random backend.
+TINY = [
+    "prompts.n_train=60",
+    "prompts.n_test=12",
+    "rollout.prompts_per_round=2",
+    "rollout.group_size=4",
+    "sampling.num_steps=4",
+    "sampling.eval_num_steps=4",
+    "score.batch_size=64",
+    "update.minibatch_size=8",
+    "train.rounds=2",
+    "evaluate.images_per_prompt=1",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A randomly initialised, saved ShapesBackend small enough for unit tests."""
+    from pipeline import world
+    from pipeline.models import ShapesBackend, ShapesConfig, vocabulary
+
+    train, test = world.make_prompts(60, 12, seed=0)
+    config = ShapesConfig(
+        vocab=vocabulary([m["prompt"] for m in train + test]),
+        image_size=16,
+        latent_channels=0,
+        patch_size=4,
+        num_layers=1,
+        num_heads=2,
+        head_dim=8,
+        text_dim=16,
+        text_layers=1,
+        text_heads=2,
+    )
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    ShapesBackend.from_config(config, seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def tiny_project(project, tiny_model_dir) -> Path:
+    """A project root whose params.yaml holds the tiny settings, with prompts written."""
+    from pipeline.config import apply_overrides, load_config
+    from pipeline.flows import run_stage
+
+    params = project / "params.yaml"
+    tree = apply_overrides(
+        yaml.safe_load(params.read_text()), [*TINY, f"model.path={tiny_model_dir}"]
+    )
+    params.write_text(yaml.safe_dump(tree, sort_keys=False))
+    run_stage("prompts", load_config(params))
+    return project

@@ -1,0 +1,227 @@
+"""GRPO policy update on LoRA weights: PPO-clip over SDE-window steps, KL to the frozen base.
+
+Recipe (Flow-GRPO, Liu et al. 2025, eqs. 5-7, with the PPO clip of Schulman et al. 2017):
+    r_{i,k}  = exp(log p_θ(x_{k+1} | x_k) − log p_old(x_{k+1} | x_k))   (trajectory i, step k)
+    L_pg     = mean_{i,k} max(−A_{i,k} r_{i,k}, −A_{i,k} clip(r_{i,k}, 1 − ε, 1 + ε)) · w_k
+    L_kl     = mean_{i,k} ‖μ_θ(x_k) − μ_ref(x_k)‖² / (2 σ_k²)                 (elementwise mean)
+    L        = L_pg + β L_kl
+Log-probs are means over the image elements (pipeline.sampling), so ε is on that scale: a step's
+ratio moves far less than a per-element sum would make it. The reference policy is the same
+network with its LoRA adapters disabled (peft), so no second copy of the weights exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pipeline.sampling import sde_step
+
+
+def add_lora(transformer: torch.nn.Module, *, rank: int, alpha: float, targets: list[str]) -> None:
+    """Attach a LoRA adapter named "default" to `transformer` and freeze everything else.
+
+    B is zero-initialised (peft's default), so the adapted policy starts equal to the base.
+    """
+    from peft import LoraConfig
+
+    transformer.requires_grad_(False)
+    transformer.add_adapter(
+        LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets)
+    )
+
+
+def lora_parameters(transformer: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for name, p in transformer.named_parameters() if "lora_" in name]
+
+
+def lora_state_dict(transformer: torch.nn.Module) -> dict[str, Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(transformer).items()}
+
+
+def load_lora_state(transformer: torch.nn.Module, state: dict[str, Tensor]) -> None:
+    from peft.utils import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(transformer, state)
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"LoRA state has keys the model lacks: {unexpected[:3]}")
+
+
+@contextmanager
+def adapters_disabled(transformer: torch.nn.Module) -> Iterator[None]:
+    """Evaluate the reference (base) policy: the same module with LoRA switched off."""
+    transformer.disable_adapters()
+    try:
+        yield
+    finally:
+        transformer.enable_adapters()
+
+
+def ppo_clip_loss(
+    log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, *, clip_range: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-pair clipped surrogate. All inputs (M,) fp32 -> loss (M,), diagnostics (detached).
+
+    Diagnostics: `ratio` (M,), `clipped` (M,) bool where the clip was active, `approx_kl`
+    (M,) = ½ (log r)² (Schulman's low-variance estimator of KL(old ‖ new)).
+    """
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = torch.maximum(unclipped, clipped)
+    stats = {
+        "ratio": ratio.detach(),
+        "clipped": ((ratio - 1.0).abs() > clip_range).detach(),
+        "approx_kl": 0.5 * log_ratio.detach() ** 2,
+    }
+    return loss, stats
+
+
+def kl_to_reference(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
+    """KL between Gaussians of equal std: ‖μ − μ_ref‖² / (2 std²), elementwise mean.
+
+    mean, mean_ref: (M, ...) fp32; std: (M,) -> (M,).
+    """
+    sq = (mean - mean_ref).pow(2).flatten(1).mean(dim=1)  # (M,)
+    return sq / (2.0 * std.pow(2))
+
+
+@dataclass
+class UpdateBatch:
+    """What one round contributes to the update (N trajectories, T schedule steps, K trained).
+
+    states: (N, T+1, C, H, W) cached states, x_T first. log_probs: (N, T) rollout log-probs.
+    sigmas: (T+1,). steps: (K,) long, schedule indices of the trained (SDE-window) steps.
+    advantages: (N, K). embeds: per-trajectory prompt embeddings (N rows).
+    step_weights: (K,) per-step loss weights (ones by default; a hook for variants).
+    """
+
+    states: Tensor
+    log_probs: Tensor
+    sigmas: Tensor
+    steps: Tensor
+    advantages: Tensor
+    embeds: object
+    step_weights: Tensor | None = None
+
+    def pairs(self) -> tuple[Tensor, Tensor]:
+        """(trajectory, window column) index of every trained pair, each (N*K,)."""
+        n, k = self.advantages.shape
+        traj = torch.arange(n).repeat_interleave(k)
+        col = torch.arange(k).repeat(n)
+        return traj, col
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    kind: str  # SDE kind the rollouts were sampled with
+    eta: float
+    guidance: float
+    clip_range: float
+    kl_beta: float
+    inner_epochs: int
+    minibatch_size: int
+    max_grad_norm: float
+
+
+def pair_terms(backend, batch: UpdateBatch, traj: Tensor, col: Tensor, settings: UpdateSettings):
+    """Recompute log-prob (and KL) of the cached transitions of pairs (traj, col), each (M,).
+
+    Returns log_prob (M,) with grad, old log_prob (M,), advantages (M,), weights (M,), kl (M,).
+    """
+    step = batch.steps[col]  # (M,) schedule index
+    x = batch.states[traj, step]  # (M, C, H, W)
+    x_next = batch.states[traj, step + 1]
+    sigma, sigma_next = batch.sigmas[step], batch.sigmas[step + 1]
+    embeds = batch.embeds[traj]
+    v = backend.velocity(x, sigma, embeds, guidance=settings.guidance)
+    result = sde_step(
+        x,
+        v,
+        sigma,
+        sigma_next,
+        kind=settings.kind,
+        eta=settings.eta,
+        prev_sample=x_next,
+        sigma_max=float(batch.sigmas[1]),
+    )
+    kl = torch.zeros_like(result.log_prob)
+    if settings.kl_beta > 0:
+        with torch.no_grad(), adapters_disabled(backend.transformer):
+            v_ref = backend.velocity(x, sigma, embeds, guidance=settings.guidance)
+        mean_ref = sde_step(
+            x, v_ref, sigma, sigma_next, kind=settings.kind, eta=settings.eta,
+            prev_sample=x_next, sigma_max=float(batch.sigmas[1]),
+        ).mean  # fmt: skip
+        kl = kl_to_reference(result.mean, mean_ref, result.std)
+    weights = torch.ones_like(result.log_prob)
+    if batch.step_weights is not None:
+        weights = batch.step_weights[col].float()
+    old = batch.log_probs[traj, step]
+    return result.log_prob, old, batch.advantages[traj, col], weights, kl
+
+
+def grpo_update(
+    backend,
+    optimizer: torch.optim.Optimizer,
+    batch: UpdateBatch,
+    settings: UpdateSettings,
+    *,
+    generator: torch.Generator,
+) -> dict[str, float]:
+    """Inner epochs of shuffled minibatches over all (trajectory, step) pairs; returns metrics.
+
+    `train/ratio_dev_first` is max |r − 1| over the first minibatch, before any optimizer step:
+    it must be ~0 (on-policy), a check that rollout and update compute the same log-probs.
+    """
+    params = lora_parameters(backend.transformer)
+    traj_all, col_all = batch.pairs()
+    n_pairs = traj_all.numel()
+    sums: dict[str, float] = {}
+    count = 0
+    ratio_min, ratio_max, first_dev = float("inf"), float("-inf"), None
+    for _ in range(settings.inner_epochs):
+        order = torch.randperm(n_pairs, generator=generator)
+        for start in range(0, n_pairs, settings.minibatch_size):
+            idx = order[start : start + settings.minibatch_size]
+            log_prob, old, adv, weights, kl = pair_terms(
+                backend, batch, traj_all[idx], col_all[idx], settings
+            )
+            pg, stats = ppo_clip_loss(log_prob, old, adv, clip_range=settings.clip_range)
+            loss = (weights * (pg + settings.kl_beta * kl)).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+            optimizer.step()
+
+            ratio = stats["ratio"]
+            if first_dev is None:
+                first_dev = float((ratio - 1.0).abs().max())
+            ratio_min = min(ratio_min, float(ratio.min()))
+            ratio_max = max(ratio_max, float(ratio.max()))
+            for key, value in {
+                "train/loss": loss.detach(),
+                "train/policy_loss": (weights * pg).mean().detach(),
+                "train/kl": kl.detach().mean(),
+                "train/clipfrac": stats["clipped"].float().mean(),
+                "train/approx_kl": stats["approx_kl"].mean(),
+                "train/grad_norm": grad_norm,
+            }.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+            count += 1
+    metrics = {key: total / count for key, total in sums.items()}
+    metrics |= {
+        "train/ratio_min": ratio_min,
+        "train/ratio_max": ratio_max,
+        "train/ratio_dev_first": first_dev,
+        "train/optimizer_steps": float(count),
+    }
+    return metrics

@@ -1,0 +1,101 @@
+"""The trained policy: a backend with LoRA adapters, its optimizer, and per-round checkpoints.
+
+A checkpoint is a directory `round-<r>/` holding `lora.safetensors`, `optimizer.pt` (AdamW
+state), `rng.pt` (torch's global RNG) and `metrics.json`, written atomically, so the latest
+complete one is where a killed run resumes. Per-round randomness is derived from (seed, round)
+(`pipeline.rounds.generator`), so a resumed run replays the same draws as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline.config import Config, ConfigError
+from pipeline.grpo import add_lora, load_lora_state, lora_parameters, lora_state_dict
+from pipeline.io import atomic_path
+
+_CHECKPOINT = re.compile(r"^round-(\d+)$")
+
+
+def load_backend(cfg: Config):
+    """The base policy named by `model.backend` / `model.path` (never downloads)."""
+    path = cfg.path(cfg.model.path)
+    if cfg.model.backend == "shapes":
+        from pipeline.models import BACKEND_FILE, ShapesBackend
+
+        if not (path / BACKEND_FILE).is_file():
+            raise ConfigError(
+                f"model.path: no ShapesWorld model at {path} (run `creditflow base` first)"
+            )
+        return ShapesBackend.from_pretrained(path)
+    raise ConfigError("model.backend: 'sd3' is not wired into this build yet")
+
+
+@dataclass
+class Policy:
+    """A backend whose transformer carries trainable LoRA adapters, and their optimizer."""
+
+    backend: object
+    optimizer: torch.optim.Optimizer
+
+    @classmethod
+    def create(cls, cfg: Config, backend=None) -> Policy:
+        backend = backend if backend is not None else load_backend(cfg)
+        up = cfg.update
+        add_lora(
+            backend.transformer,
+            rank=up.lora_rank,
+            alpha=up.lora_alpha,
+            targets=list(backend.lora_target_modules),
+        )
+        optimizer = torch.optim.AdamW(
+            lora_parameters(backend.transformer), lr=up.lr, weight_decay=up.weight_decay
+        )
+        return cls(backend, optimizer)
+
+    def save(self, directory: Path, round_index: int, metrics: dict[str, float]) -> Path:
+        """Write checkpoint `directory/round-<r>` atomically; returns it."""
+        target = Path(directory) / f"round-{round_index:04d}"
+        with atomic_path(target) as tmp:
+            tmp.mkdir(parents=True)
+            save_file(lora_state_dict(self.backend.transformer), tmp / "lora.safetensors")
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(torch.get_rng_state(), tmp / "rng.pt")
+            (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        return target
+
+    def load(self, checkpoint: Path, *, with_optimizer: bool = True) -> None:
+        checkpoint = Path(checkpoint)
+        if not (checkpoint / "lora.safetensors").is_file():
+            raise ConfigError(f"checkpoint: no lora.safetensors in {checkpoint}")
+        load_lora_state(self.backend.transformer, load_file(checkpoint / "lora.safetensors"))
+        if with_optimizer:
+            self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
+            torch.set_rng_state(torch.load(checkpoint / "rng.pt"))
+
+
+def checkpoints(directory: Path) -> dict[int, Path]:
+    """Complete checkpoints under `directory`, by round."""
+    found = {}
+    if Path(directory).is_dir():
+        for child in Path(directory).iterdir():
+            match = _CHECKPOINT.match(child.name)
+            if match and (child / "metrics.json").is_file():
+                found[int(match.group(1))] = child
+    return dict(sorted(found.items()))
+
+
+def restore(cfg: Config, run: Path, before_round: int | None = None, backend=None) -> Policy:
+    """A policy at its newest checkpoint in `run/checkpoints` older than `before_round`."""
+    policy = Policy.create(cfg, backend)
+    done = {r: p for r, p in checkpoints(Path(run) / "checkpoints").items()
+            if before_round is None or r < before_round}  # fmt: skip
+    if done:
+        policy.load(done[max(done)])
+    return policy

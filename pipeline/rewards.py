@@ -1,0 +1,113 @@
+"""Reward models behind one registry and one signature.
+
+A reward is `(images (B, 3, H, W) fp32 in [0, 1], metadata: list of GenEval dicts) -> (B,) fp32`.
+A factory `(cfg) -> reward` builds it once (heavy models load once per process); `score.rewards`
+names are checked against the registry when params are loaded, so a typo fails before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from pipeline.config import Config
+
+RewardFn = Callable[[Tensor, Sequence[dict]], Tensor]
+REWARDS: dict[str, Callable[[Config], RewardFn]] = {}
+
+#: Where the `base` stage writes ShapesCLIP.
+SHAPESCLIP_DIR = "data/base/shapesclip"
+
+
+def register(name: str):
+    def add(factory: Callable[[Config], RewardFn]) -> Callable[[Config], RewardFn]:
+        REWARDS[name] = factory
+        return factory
+
+    return add
+
+
+def _detections(images: Tensor) -> list[dict]:
+    from pipeline.detector import detect_batch
+
+    return detect_batch(images.detach().float().cpu())
+
+
+@register("geneval")
+def geneval_partial(cfg: Config) -> RewardFn:
+    """Dense GenEval reward: the fraction of satisfied clause checks, in [0, 1]."""
+    from pipeline.geneval import partial_score
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        found = _detections(images)
+        return torch.tensor([partial_score(m, d) for m, d in zip(metadata, found, strict=True)])
+
+    return reward
+
+
+@register("geneval_strict")
+def geneval_strict(cfg: Config) -> RewardFn:
+    """GenEval's binary verdict: 1 when every rule holds."""
+    from pipeline.geneval import evaluate
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        found = _detections(images)
+        verdicts = [evaluate(m, d)[0] for m, d in zip(metadata, found, strict=True)]
+        return torch.tensor(verdicts, dtype=torch.float32)
+
+    return reward
+
+
+@register("shapesclip")
+def shapesclip(cfg: Config) -> RewardFn:
+    """ShapesCLIP's scaled text-image cosine similarity (a PickScore/CLIPScore stand-in)."""
+    model = _load_shapesclip(str(cfg.path(SHAPESCLIP_DIR)))
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        with torch.no_grad():
+            return model.score(images.float(), [m["prompt"] for m in metadata]).float()
+
+    return reward
+
+
+@cache
+def _load_shapesclip(path: str):
+    from pathlib import Path
+
+    from pipeline.config import ConfigError
+    from pipeline.shapesclip import load_shapesclip
+
+    if not Path(path).is_dir():
+        raise ConfigError(f"score.rewards: shapesclip needs {path} (run `creditflow base` first)")
+    return load_shapesclip(path)
+
+
+class RewardMix:
+    """A weighted sum of registered rewards; also returns each component for the score table."""
+
+    def __init__(self, cfg: Config, weights: Mapping[str, float]):
+        unknown = sorted(set(weights) - set(REWARDS))
+        if unknown:
+            raise KeyError(f"unknown reward {unknown[0]!r}; known: {', '.join(sorted(REWARDS))}")
+        self.weights = dict(weights)
+        self.models = {name: REWARDS[name](cfg) for name in self.weights}
+
+    def __call__(self, images: Tensor, metadata: Sequence[dict]) -> dict[str, Tensor]:
+        """images (B, 3, H, W) -> {reward name: (B,)} plus "mix", their weighted mean."""
+        scores = {name: model(images, metadata).float() for name, model in self.models.items()}
+        total = sum(self.weights[name] * value for name, value in scores.items())
+        return scores | {"mix": total / sum(self.weights.values())}
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """`"geneval=0.5,shapesclip"` -> {"geneval": 0.5, "shapesclip": 1.0} (weight defaults to 1)."""
+    mix: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = part.partition("=")
+        mix[name.strip()] = float(weight) if weight else 1.0
+    return mix

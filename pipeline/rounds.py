@@ -1,0 +1,428 @@
+"""One GRPO round as library calls: rollout -> score -> advantages -> update.
+
+The stages and the training flow call these; they hold no I/O. Shapes: N trajectories
+(prompts_per_round · G, group-major), T schedule steps, K trained (SDE-window) steps, states
+(N, T+1, C, H, W) with x_T first. The window's K+1 *boundary states* b_0..b_K are the states
+before each trained step plus the one after the last; their clean-image rewards drive the
+step-wise credit of `stepwise` and `tp_grpo`. Because every step after the window is a
+deterministic ODE step, the completion of b_K *is* the final image, so column K is R(x0).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from pipeline import credit, sampling
+from pipeline.config import Config, CreditflowError
+from pipeline.grpo import UpdateBatch, UpdateSettings, grpo_update
+from pipeline.rewards import RewardMix
+from pipeline.trajectories import RoundRollout
+
+
+class RoundError(CreditflowError):
+    """A round cannot go on (non-finite rewards or advantages); nothing is checkpointed."""
+
+
+#: The clean-image estimators each method's credit needs besides the final reward.
+METHOD_ESTIMATORS = {"flow_grpo": (), "stepwise": ("stepwise",), "tp_grpo": ("ode_completion",)}
+
+
+def derived_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any parts (run seed, round, phase): resumable by design."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def generator(*parts: object) -> torch.Generator:
+    return torch.Generator().manual_seed(derived_seed(*parts))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The round's sampling plan: sigmas (T+1,), window (T,) bool, steps (K,) trained indices."""
+
+    kind: str
+    eta: float
+    guidance: float
+    sigmas: Tensor
+    window: Tensor
+    steps: Tensor
+
+    @classmethod
+    def from_config(cls, cfg: Config, kind: str | None = None) -> Schedule:
+        kind = kind or cfg.sampler
+        sigmas = sampling.timesteps_sigmas(cfg.sampling.num_steps, shift=cfg.sampling.shift)
+        window = sampling.sde_window(
+            cfg.sampling.num_steps,
+            start=cfg.rollout.window_start,
+            end=cfg.sde_window_end,
+            kind=kind,
+        )
+        steps = window.nonzero().flatten()
+        if steps.numel() == 0:
+            raise ValueError(f"the SDE window of sampler {kind!r} holds no trainable step")
+        return cls(kind, cfg.rollout.eta, cfg.sampling.guidance, sigmas, window, steps)
+
+    @property
+    def boundary_states(self) -> Tensor:
+        """(K+1,) state indices b_0..b_K (the window is contiguous by construction)."""
+        return torch.cat([self.steps, self.steps[-1:] + 1])
+
+
+class CountingVelocity:
+    """Velocity calls of a backend for fixed prompt rows, counting model evaluations (NFEs).
+
+    One NFE is one sample through the denoiser; classifier-free guidance costs two.
+    """
+
+    def __init__(self, backend, guidance: float):
+        self.backend = backend
+        self.guidance = guidance
+        self.nfe = 0
+
+    def bind(self, embeds, on_call=None) -> sampling.VelocityFn:
+        """A velocity function for these prompt rows; `on_call(n)` runs after each call.
+
+        Called with `rows` (indices into the bound rows) it conditions only those rows, as
+        `sampling.ode_complete` asks; without, on all of them.
+        """
+        branches = 1 if self.guidance == 1 else 2
+
+        def velocity(x: Tensor, sigma: Tensor, rows: Tensor | None = None) -> Tensor:
+            self.nfe += x.shape[0] * branches
+            rows_embeds = embeds if rows is None else embeds[rows]
+            v = self.backend.velocity(x, sigma, rows_embeds, guidance=self.guidance)
+            if on_call is not None:
+                on_call(x.shape[0])
+            return v
+
+        return velocity
+
+
+def select_prompts(prompts: Sequence[dict], n: int, *, seed: int, round_index: int) -> list[int]:
+    """Indices of the round's n prompts: a seeded draw without replacement per round."""
+    rng = np.random.default_rng(derived_seed(seed, round_index, "prompts"))
+    return sorted(rng.choice(len(prompts), size=min(n, len(prompts)), replace=False).tolist())
+
+
+def rollout_round(
+    backend,
+    prompts: Sequence[dict],
+    prompt_indices: Sequence[int],
+    schedule: Schedule,
+    cfg: Config,
+    *,
+    method: str,
+    seed: int,
+    round_index: int,
+    run_id: str,
+    model_version: str,
+    counter: CountingVelocity,
+    progress=None,
+) -> RoundRollout:
+    """G trajectories for each chosen prompt, sampled as one batch (group-major rows).
+
+    `progress` (a tqdm bar over trajectories) advances by 1/T of the batch per model call.
+    """
+    group_size = cfg.rollout.group_size
+    rows = [prompts[i] for i in prompt_indices for _ in range(group_size)]
+    embeds = backend.encode_prompts([row["prompt"] for row in rows])
+    noise_gen = generator(seed, round_index, "rollout")
+    x_T = sampling.initial_noise(
+        len(prompt_indices),
+        group_size,
+        backend.latent_shape,
+        shared=cfg.rollout.shared_noise,
+        generator=noise_gen,
+    )  # (N, C, H, W)
+    with torch.no_grad():
+        steps = schedule.sigmas.numel() - 1
+        on_call = (lambda rows: progress.update(rows / steps)) if progress is not None else None
+        result = sampling.sample(
+            counter.bind(embeds, on_call),
+            x_T,
+            schedule.sigmas,
+            kind=schedule.kind,
+            eta=schedule.eta,
+            window=schedule.window,
+            generator=noise_gen,
+        )
+        images = backend.decode(result.final)
+    n = len(rows)
+    return RoundRollout(
+        run_id=run_id,
+        round=round_index,
+        method=method,
+        sampler=schedule.kind,
+        eta=schedule.eta,
+        model_version=model_version,
+        states=result.states,
+        means=result.means,
+        stds=result.stds,
+        log_probs=result.log_probs,
+        sigmas=result.sigmas,
+        window=result.window,
+        images=images,
+        prompt_ids=[
+            str(prompts[i].get("id", i)) for i in prompt_indices for _ in range(group_size)
+        ],
+        prompts=[row["prompt"] for row in rows],
+        tags=[row["tag"] for row in rows],
+        group_ids=torch.arange(len(prompt_indices)).repeat_interleave(group_size),
+        sample_idx=torch.arange(group_size).repeat(len(prompt_indices)),
+        seeds=torch.full((n,), derived_seed(seed, round_index, "rollout"), dtype=torch.long),
+    )
+
+
+@dataclass
+class ScoreResult:
+    """A round's score table plus the decoded estimates of a few trajectories."""
+
+    table: pd.DataFrame  # columns trajectory, step, estimator, reward, value
+    estimate_images: Tensor  # (M, 3, H, W)
+    estimate_keys: pd.DataFrame  # trajectory, step, estimator per image
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def clean_estimates(
+    backend,
+    rollout: RoundRollout,
+    traj: Tensor,
+    state: Tensor,
+    *,
+    estimator: str,
+    substeps: int,
+    counter: CountingVelocity,
+    batch_size: int,
+) -> Tensor:
+    """x̂0 of states (traj[m], state[m]), each (M,) long, in batches -> (M, C, H, W).
+
+    tweedie: x − σ v (one call); ode_substeps: T′ Euler substeps to 0 (Savani et al. 2026);
+    ode_completion: the rest of the rollout's schedule, deterministically (Tong et al. 2026).
+    """
+    out = []
+    for start in range(0, traj.numel(), batch_size):
+        t, s = traj[start : start + batch_size], state[start : start + batch_size]
+        x = rollout.states[t, s]  # (b, C, H, W)
+        velocity = counter.bind(backend.encode_prompts([rollout.prompts[i] for i in t.tolist()]))
+        with torch.no_grad():
+            if estimator == "ode_completion":
+                out.append(sampling.ode_complete(velocity, x, s, rollout.sigmas))
+            else:
+                steps = 1 if estimator == "tweedie" else substeps
+                out.append(sampling.ode_substeps(velocity, x, rollout.sigmas[s], steps))
+    return torch.cat(out)
+
+
+def score_round(
+    backend,
+    rollout: RoundRollout,
+    metadata: Sequence[dict],
+    rewards: RewardMix,
+    cfg: Config,
+    *,
+    estimators: Sequence[str],
+    schedule: Schedule,
+    counter: CountingVelocity,
+) -> ScoreResult:
+    """Rewards of the final images and of the requested estimates at the boundary states.
+
+    `metadata` (N,) is each trajectory's GenEval line. `estimators` may hold `tweedie`,
+    `ode_substeps` and `ode_completion`; the final image is always scored.
+    """
+    n = rollout.num_trajectories
+    boundary = schedule.boundary_states[:-1]  # (K,): b_K's estimate is the final image
+    frames, keep_images, keep_keys = [], [], []
+    reward_calls = 0
+
+    def add(values: dict[str, Tensor], traj: Tensor, step: Tensor, estimator: str) -> None:
+        for name, value in values.items():
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "trajectory": traj.numpy(),
+                        "step": step.numpy(),
+                        "estimator": estimator,
+                        "reward": name,
+                        "value": value.double().numpy(),
+                    }
+                )
+            )
+
+    all_traj = torch.arange(n)
+    add(rewards(rollout.images, metadata), all_traj, torch.full((n,), rollout.num_steps), "final")
+    reward_calls += n
+    start = time.perf_counter()
+    for estimator in estimators:
+        traj = all_traj.repeat_interleave(boundary.numel())  # (N*K,) trajectory-major
+        state = boundary.repeat(n)
+        x0 = clean_estimates(
+            backend,
+            rollout,
+            traj,
+            state,
+            estimator=estimator,
+            substeps=cfg.score.ode_substeps,
+            counter=counter,
+            batch_size=cfg.score.batch_size,
+        )
+        with torch.no_grad():
+            images = torch.cat(
+                [backend.decode(chunk) for chunk in x0.split(cfg.score.batch_size)]
+            )  # (N*K, 3, H, W)
+        add(rewards(images, [metadata[i] for i in traj.tolist()]), traj, state, estimator)
+        reward_calls += traj.numel()
+        shown = traj < cfg.score.estimate_images
+        keep_images.append(images[shown])
+        keep_keys.append(
+            pd.DataFrame(
+                {
+                    "trajectory": traj[shown].numpy(),
+                    "step": state[shown].numpy(),
+                    "estimator": estimator,
+                }
+            )
+        )
+    table = pd.concat(frames, ignore_index=True)
+    if keep_images:
+        estimate_images, keys = torch.cat(keep_images), pd.concat(keep_keys, ignore_index=True)
+    else:
+        estimate_images = rollout.images[:0]
+        keys = pd.DataFrame({"trajectory": [], "step": [], "estimator": []})
+    stats = {
+        "cost/score_reward_calls": float(reward_calls),
+        "time/estimates_s": time.perf_counter() - start,
+    }
+    return ScoreResult(table, estimate_images, keys, stats)
+
+
+def check_finite(table: pd.DataFrame) -> None:
+    """Stop the round on a NaN/inf reward, naming the first trajectory that has one."""
+    bad = table[~np.isfinite(table.value.to_numpy())]
+    if len(bad):
+        row = bad.iloc[0]
+        raise RoundError(
+            f"reward {row.reward!r} of trajectory {int(row.trajectory)} is {row.value} "
+            f"({row.estimator} estimate at state {int(row.step)})"
+        )
+
+
+def reward_matrix(
+    table: pd.DataFrame, estimator: str, reward: str, n: int, steps: Tensor
+) -> Tensor:
+    """(n, len(steps)) fp64 values of `estimator`/`reward` at state indices `steps`."""
+    rows = table[(table.estimator == estimator) & (table.reward == reward)]
+    wide = rows.pivot(index="trajectory", columns="step", values="value")
+    wide = wide.reindex(index=range(n), columns=steps.tolist())
+    if wide.isna().to_numpy().any():
+        raise ValueError(f"score table lacks {estimator}/{reward} values for some states")
+    return torch.from_numpy(wide.to_numpy(dtype=np.float64))
+
+
+@dataclass
+class Credit:
+    """Advantages (N, K) of the trained steps plus diagnostics for the report."""
+
+    advantages: Tensor
+    step_rewards: Tensor  # (N, K) per-step signal before normalisation
+    turning_points: Tensor  # (N, K) bool (tp_grpo only; all False otherwise)
+    final_advantages: Tensor  # (N,) flow_grpo's advantage, for the sign comparison
+
+
+def assign_credit(
+    method: str,
+    table: pd.DataFrame,
+    group_ids: Tensor,
+    schedule: Schedule,
+    cfg: Config,
+    *,
+    reward: str = "mix",
+    stepwise_estimator: str | None = None,
+) -> Credit:
+    """Turn a round's scores into (N, K) advantages with `method`'s rule (pipeline.credit)."""
+    n = group_ids.numel()
+    k = schedule.steps.numel()
+    adv_cfg = cfg.advantages
+    final = reward_matrix(table, "final", reward, n, torch.tensor([schedule.sigmas.numel() - 1]))[
+        :, 0
+    ]
+    final_adv = credit.flow_grpo_advantages(
+        final, group_ids, global_std=adv_cfg.global_std, clip=adv_cfg.clip
+    )
+    turning = torch.zeros(n, k, dtype=torch.bool)
+    if method == "flow_grpo":
+        step_rewards = final[:, None].expand(n, k)
+        advantages = final_adv[:, None].expand(n, k)
+    else:
+        estimator = (
+            "ode_completion" if method == "tp_grpo" else (stepwise_estimator or cfg.score.estimator)
+        )
+        boundary = reward_matrix(table, estimator, reward, n, schedule.boundary_states[:-1])
+        columns = torch.cat([boundary, final[:, None]], dim=1)  # (N, K+1), last = R(x0)
+        if method == "stepwise":
+            step_rewards = columns[:, 1:] - columns[:, :-1]  # gains g_k
+            advantages = credit.stepwise_advantages(
+                columns, group_ids, normalization=adv_cfg.normalization, clip=adv_cfg.clip
+            )
+        else:
+            switches = {
+                "consistency": adv_cfg.tp_consistency,
+                "first_step": adv_cfg.tp_first_step,
+                "balance": adv_cfg.tp_balance,
+            }
+            step_rewards = credit.tp_grpo_step_rewards(final, columns, **switches)
+            turning = credit.tp_grpo_turning_points(final, columns, **switches)
+            advantages = credit.tp_grpo_advantages(step_rewards, group_ids, clip=adv_cfg.clip)
+    return Credit(advantages.float().contiguous(), step_rewards.float(), turning, final_adv.float())
+
+
+def update_settings(cfg: Config, schedule: Schedule) -> UpdateSettings:
+    up = cfg.update
+    return UpdateSettings(
+        kind=schedule.kind,
+        eta=schedule.eta,
+        guidance=schedule.guidance,
+        clip_range=up.clip_range,
+        kl_beta=up.kl_beta,
+        inner_epochs=up.inner_epochs,
+        minibatch_size=up.minibatch_size,
+        max_grad_norm=up.max_grad_norm,
+    )
+
+
+def update_round(
+    backend,
+    optimizer: torch.optim.Optimizer,
+    rollout: RoundRollout,
+    advantages: Tensor,
+    schedule: Schedule,
+    cfg: Config,
+    *,
+    seed: int,
+    round_index: int,
+) -> dict[str, float]:
+    """One GRPO update of the LoRA weights from a round's cached transitions."""
+    batch = UpdateBatch(
+        states=rollout.states,
+        log_probs=rollout.log_probs,
+        sigmas=rollout.sigmas,
+        steps=schedule.steps,
+        advantages=advantages,
+        embeds=backend.encode_prompts(rollout.prompts),
+    )
+    settings = update_settings(cfg, schedule)
+    metrics = grpo_update(
+        backend, optimizer, batch, settings, generator=generator(seed, round_index, "update")
+    )
+    # Forward passes per sample: CFG doubles each, the KL reference adds one more of each.
+    per_pair = (1 if settings.guidance == 1 else 2) * (2 if settings.kl_beta > 0 else 1)
+    pairs = advantages.numel() * settings.inner_epochs
+    return metrics | {"cost/update_nfe": float(pairs * per_pair)}

@@ -1,0 +1,57 @@
+"""`rollout` stage: G trajectories per prompt with the method's SDE, cached to Parquet.
+
+Writes `<run>/rollouts/{steps,finals}/round=<r>/` (pipeline.trajectories).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from pipeline import layout, rounds
+from pipeline.config import Config
+from pipeline.policy import Policy, restore
+from pipeline.trajectories import write_rollout
+
+
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout(
+    cfg: Config, run: Path | None = None, round_index: int = 0, policy: Policy | None = None
+) -> dict[str, float]:
+    run = Path(run) if run else layout.train_run(cfg)
+    policy = policy or restore(cfg, run, before_round=round_index)
+    prompts = layout.load_prompts(cfg, "train")
+    schedule = rounds.Schedule.from_config(cfg)
+    counter = rounds.CountingVelocity(policy.backend, cfg.sampling.guidance)
+    chosen = rounds.select_prompts(
+        prompts, cfg.rollout.prompts_per_round, seed=cfg.train.seed, round_index=round_index
+    )
+    n = len(chosen) * cfg.rollout.group_size
+    start = time.perf_counter()
+    with tqdm(total=n, unit="traj", desc=f"rollout {round_index}", leave=False) as bar:
+        result = rounds.rollout_round(
+            policy.backend,
+            prompts,
+            chosen,
+            schedule,
+            cfg,
+            method=cfg.train.method,
+            seed=cfg.train.seed,
+            round_index=round_index,
+            run_id=run.name,
+            model_version=f"{run.name}@{round_index}",
+            counter=counter,
+            progress=bar,
+        )
+    seconds = time.perf_counter() - start
+    write_rollout(run / "rollouts", result, overwrite=True)
+    return {
+        "time/rollout_s": seconds,
+        "cost/rollout_nfe": float(counter.nfe),
+        "perf/trajectories_per_s": n / seconds,
+        "perf/nfe_per_s": counter.nfe / seconds,
+    }

@@ -1,0 +1,77 @@
+"""`score` stage: rewards of a round's final images and of the clean-image estimates its
+method's credit needs. Reads the rollout cache, never writes to it.
+
+Writes `<run>/rollouts/{scores,estimate_images}/round=<r>/` (pipeline.trajectories).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from pipeline import layout, rounds
+from pipeline.config import Config, CreditflowError
+from pipeline.policy import Policy, restore
+from pipeline.rewards import REWARDS, RewardMix
+from pipeline.trajectories import read_rollout, write_estimate_images, write_scores
+
+
+def trajectory_metadata(cfg: Config, prompts: list[str]) -> list[dict]:
+    """GenEval lines of the rollout's prompts, looked up by prompt text in the train set."""
+    by_text = {row["prompt"]: row for row in layout.load_prompts(cfg, "train")}
+    missing = sorted({p for p in prompts if p not in by_text})
+    if missing:
+        raise CreditflowError(f"score: prompt {missing[0]!r} is not in the train prompt set")
+    return [by_text[p] for p in prompts]
+
+
+def estimators_for(method: str, cfg: Config) -> tuple[str, ...]:
+    needed = rounds.METHOD_ESTIMATORS[method]
+    return tuple(cfg.score.estimator if name == "stepwise" else name for name in needed)
+
+
+@task(name="score", cache_policy=NO_CACHE)
+def score(
+    cfg: Config, run: Path | None = None, round_index: int = 0, policy: Policy | None = None
+) -> dict[str, float]:
+    run = Path(run) if run else layout.train_run(cfg)
+    rollout = read_rollout(run / "rollouts", round_index)
+    policy = policy or restore(cfg, run, before_round=round_index)
+    metadata = trajectory_metadata(cfg, rollout.prompts)
+    counter = rounds.CountingVelocity(policy.backend, cfg.sampling.guidance)
+    schedule = rounds.Schedule.from_config(cfg, kind=rollout.sampler)
+    start = time.perf_counter()
+    result = rounds.score_round(
+        policy.backend,
+        rollout,
+        metadata,
+        RewardMix(cfg, cfg.score.rewards),
+        cfg,
+        estimators=estimators_for(rollout.method, cfg),
+        schedule=schedule,
+        counter=counter,
+    )
+    rounds.check_finite(result.table)
+    seconds = time.perf_counter() - start
+    write_scores(run / "rollouts", round_index, result.table, overwrite=True)
+    if len(result.estimate_keys):  # flow_grpo scores no intermediate estimates
+        write_estimate_images(
+            run / "rollouts", round_index, result.estimate_images, result.estimate_keys,
+            overwrite=True,
+        )  # fmt: skip
+    final = result.table[(result.table.estimator == "final") & (result.table.reward == "mix")]
+    correct = REWARDS["geneval_strict"](cfg)(rollout.images, metadata)
+    by_tag = {}
+    for tag, verdict in zip(rollout.tags, correct.tolist(), strict=True):
+        by_tag.setdefault(tag, []).append(verdict)
+    return result.stats | {
+        "reward/mean": float(final.value.mean()),
+        "reward/std": float(final.value.std(ddof=0)),
+        "train/accuracy": float(correct.mean()),
+        **{f"train/accuracy_{tag}": sum(v) / len(v) for tag, v in by_tag.items()},
+        "time/score_s": seconds,
+        "cost/score_nfe": float(counter.nfe),
+    }

@@ -1,0 +1,85 @@
+"""`train` flow: rounds of rollout -> score -> advantages -> update for one method and seed.
+
+Resumable: each round ends in a checkpoint, and a rerun (`creditflow train` or `dvc repro`, whose
+output is `persist: true`) continues after the newest one. Per-round metrics go to MLflow
+(stepped by round) and to `reports/train/<method>-s<seed>/rounds.json` for `dvc plots`.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from prefect import flow
+
+from pipeline import layout
+from pipeline.config import Config
+from pipeline.flows import call
+from pipeline.io import write_json
+from pipeline.policy import checkpoints, restore
+from pipeline.tracking import log_metrics
+from pipeline.trajectories import STEPS, list_rounds, round_dir
+from stages.advantages import advantages
+from stages.rollout import rollout
+from stages.score import score
+from stages.update import update
+
+
+@flow(name="creditflow-train", validate_parameters=False)
+def train(cfg: Config) -> dict[str, float]:
+    run = layout.train_run(cfg)
+    policy = restore(cfg, run)
+    start = max(checkpoints(run / "checkpoints"), default=-1) + 1
+    for r in range(start, cfg.train.rounds):
+        metrics = call(rollout, cfg, run, r, policy)
+        metrics |= call(score, cfg, run, r, policy)
+        metrics |= call(advantages, cfg, run, r)
+        metrics |= call(update, cfg, run, r, policy, metrics)
+        log_metrics(metrics | phase_totals(metrics), step=r)
+        prune_rollouts(run, keep=cfg.train.keep_rollouts)
+    history = [
+        {"round": r} | load_round_metrics(path)
+        for r, path in checkpoints(run / "checkpoints").items()
+    ]
+    report = cfg.path(layout.REPORTS / "train" / run.name)
+    write_json(report / "rounds.json", history)
+    summary = summarize(history)
+    write_json(report / "metrics.json", summary)
+    return summary
+
+
+def phase_totals(metrics: dict[str, float]) -> dict[str, float]:
+    phases = ("rollout", "score", "update")
+    return {
+        "time/round_s": sum(metrics.get(f"time/{p}_s", 0.0) for p in phases),
+        "cost/round_nfe": sum(metrics.get(f"cost/{p}_nfe", 0.0) for p in phases),
+    }
+
+
+def load_round_metrics(checkpoint) -> dict[str, float]:
+    import json
+
+    metrics = json.loads((checkpoint / "metrics.json").read_text())
+    return metrics | phase_totals(metrics)
+
+
+def summarize(history: list[dict[str, float]]) -> dict[str, float]:
+    """DVC metrics of a run: first/last reward, accuracy, total cost."""
+    if not history:
+        return {}
+    first, last = history[0], history[-1]
+    return {
+        "rounds": len(history),
+        "reward_first": first["reward/mean"],
+        "reward_last": last["reward/mean"],
+        "accuracy_last": last["train/accuracy"],
+        "seconds_total": sum(h["time/round_s"] for h in history),
+        "nfe_total": sum(h["cost/round_nfe"] for h in history),
+    }
+
+
+def prune_rollouts(run, keep: int) -> None:
+    """Drop the cached states of all but the newest `keep` rounds (0 keeps all)."""
+    if keep == 0:
+        return
+    for r in list_rounds(run / "rollouts", STEPS)[:-keep]:
+        shutil.rmtree(round_dir(run / "rollouts", STEPS, r))

@@ -1,0 +1,46 @@
+"""`update` stage: PPO-clip GRPO on the LoRA weights from a scored round, then a checkpoint.
+
+Reads `<run>/rollouts` and `<run>/advantages/round=<r>.parquet`; writes
+`<run>/checkpoints/round-<r>/` (LoRA, optimizer, RNG, the round's metrics).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from pipeline import layout, rounds
+from pipeline.config import Config
+from pipeline.policy import Policy, restore
+from pipeline.trajectories import read_rollout
+from stages.advantages import read_advantages
+
+
+@task(name="update", cache_policy=NO_CACHE)
+def update(
+    cfg: Config,
+    run: Path | None = None,
+    round_index: int = 0,
+    policy: Policy | None = None,
+    round_metrics: dict[str, float] | None = None,
+) -> dict[str, float]:
+    run = Path(run) if run else layout.train_run(cfg)
+    policy = policy or restore(cfg, run, before_round=round_index)
+    rollout = read_rollout(run / "rollouts", round_index)
+    start = time.perf_counter()
+    metrics = rounds.update_round(
+        policy.backend,
+        policy.optimizer,
+        rollout,
+        read_advantages(run, round_index),
+        rounds.Schedule.from_config(cfg, kind=rollout.sampler),
+        cfg,
+        seed=cfg.train.seed,
+        round_index=round_index,
+    )
+    metrics["time/update_s"] = time.perf_counter() - start
+    policy.save(run / "checkpoints", round_index, (round_metrics or {}) | metrics)
+    return metrics
