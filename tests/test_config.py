@@ -37,7 +37,8 @@ def test_every_section_of_params_yaml_is_a_config_field():
         ("sampling.guidance=0.5", "sampling.guidance: input should be greater than or equal to 1"),
         ("rollout.sampler=ddim", "rollout.sampler: 'ddim' is not one of auto, flow_grpo, cps"),
         ("rollout.window_start=10", "rollout.window_start..window_end selects steps [10, 9)"),
-        ("score.rewards={}", "score: needs at least one reward with a positive weight"),
+        ("score.rewards={}", "score.rewards: needs at least one reward with a positive weight"),
+        ("score.rewards={genevla: 1}", "score.rewards: 'genevla' is not one of geneval, "),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(override, message):
