@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: setup run test lint smoke clean
+.PHONY: setup run test lint smoke cuda-smoke clean
 setup: $(VENV)/.installed
 
 # torch first, from the CPU build on this machine's disk: a plain `torch` requirement would
@@ -24,6 +24,10 @@ lint: setup
 
 test: lint
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest
+
+# One tiny SD3 GRPO round on a CUDA GPU (bf16); prints a skip message and succeeds without CUDA.
+cuda-smoke: setup
+	$(BIN)/python scripts/cuda_smoke.py
 
 clean:
 	rm -rf .prefect mlflow.db mlruns

@@ -78,6 +78,8 @@ class ModelParams(Section):
     path: Path = Path("data/base/model")  # shapes: written by `base`; sd3: local diffusers dir
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # weights; SDE math is always fp32
     device: str = "cpu"
+    resolution: PositiveInt = 512  # sd3: image side in pixels (Flow-GRPO trains SD3.5-M at 512)
+    max_sequence_length: PositiveInt = 256  # sd3: T5 prompt tokens (the SD3 pipeline's default)
 
 
 class BaseParams(Section):
@@ -109,7 +111,12 @@ class RolloutParams(Section):
     prompts_per_round: PositiveInt = 8
     group_size: Annotated[int, Field(ge=2)] = 8  # G, trajectories per prompt group
     sampler: Literal["auto", "flow_grpo", "cps", "stepwise"] = "auto"  # auto: the method's own SDE
-    eta: Annotated[float, Field(ge=0)] = 0.7  # noise level a (flow_grpo, cps) or eta (stepwise)
+    # Noise level per SDE: a of Flow-GRPO's SDE and of CPS, eta of the DDIM-style SDE (<= 1).
+    eta: dict[Literal["flow_grpo", "cps", "stepwise"], Annotated[float, Field(ge=0)]] = {
+        "flow_grpo": 0.7,
+        "cps": 0.8,
+        "stepwise": 1.0,
+    }
     window_start: Annotated[int, Field(ge=0)] = 0  # first stochastic step
     window_end: int = -1  # one past the last stochastic step; -1 = all but the final step
     shared_noise: bool = False  # all samples of a group start from the same x_T
@@ -123,6 +130,12 @@ class ScoreParams(Section):
     estimator: Literal["tweedie", "ode_substeps"] = "ode_substeps"  # stepwise's clean estimate
     batch_size: PositiveInt = 256  # states per model call when completing estimates
     estimate_images: Annotated[int, Field(ge=0)] = 4  # trajectories whose estimates are kept
+    # Real-image reward models (local directories, never downloaded; see pipeline.real_rewards).
+    clip_path: Path = Path("data/rewards/clip")  # clipscore: CLIPModel + processor (e.g. PickScore)
+    detector_path: Path = Path("data/rewards/owlv2")  # geneval_real*: OWLv2 detector + processor
+    color_clip_path: Path = Path("data/rewards/clip")  # geneval_real*: CLIP for colour zero-shot
+    reward_batch_size: PositiveInt = 16  # images per real-image reward model call
+    detector_nms_iou: Annotated[float, Field(gt=0, le=1)] = 1.0  # same-class IoU cap; 1 = off
 
     @field_validator("rewards")
     @classmethod

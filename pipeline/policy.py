@@ -34,7 +34,9 @@ def load_backend(cfg: Config):
                 f"model.path: no ShapesWorld model at {path} (run `creditflow base` first)"
             )
         return ShapesBackend.from_pretrained(path)
-    raise ConfigError("model.backend: 'sd3' is not wired into this build yet")
+    from pipeline.sd3 import load_sd3
+
+    return load_sd3(cfg)
 
 
 @dataclass
@@ -46,14 +48,21 @@ class Policy:
 
     @classmethod
     def create(cls, cfg: Config, backend=None) -> Policy:
+        """Fresh adapters on the base model; their random init depends only on `train.seed`."""
+        from pipeline.rounds import derived_seed
+
         backend = backend if backend is not None else load_backend(cfg)
         up = cfg.update
-        add_lora(
-            backend.transformer,
-            rank=up.lora_rank,
-            alpha=up.lora_alpha,
-            targets=list(backend.lora_target_modules),
-        )
+        with torch.random.fork_rng():
+            torch.manual_seed(derived_seed(cfg.train.seed, "lora"))
+            add_lora(
+                backend.transformer,
+                rank=up.lora_rank,
+                alpha=up.lora_alpha,
+                targets=list(backend.lora_target_modules),
+            )
+        for param in lora_parameters(backend.transformer):
+            param.data = param.data.float()  # peft copies a bf16/fp16 base's dtype; train in fp32
         optimizer = torch.optim.AdamW(
             lora_parameters(backend.transformer), lr=up.lr, weight_decay=up.weight_decay
         )

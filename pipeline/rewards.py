@@ -87,6 +87,79 @@ def _load_shapesclip(path: str):
     return load_shapesclip(path)
 
 
+# ---- real-image rewards (pipeline.real_rewards): local weights named in `score.*_path` ----------
+@register("clipscore")
+def clipscore(cfg: Config) -> RewardFn:
+    """PickScore/CLIPScore-style exp(t)·cos(image, prompt) of the CLIP at `score.clip_path`."""
+    scorer = _load_real("clip", _reward_dir(cfg, "clip_path"), cfg)
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        return scorer(images, [m["prompt"] for m in metadata])
+
+    return reward
+
+
+@register("geneval_real")
+def geneval_real(cfg: Config) -> RewardFn:
+    """Dense GenEval reward (as `geneval`) on OWLv2 + CLIP-colour detections of real images."""
+    from pipeline.geneval import partial_score
+
+    detect = _geneval_detector(cfg)
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        found = detect(images, metadata)
+        return torch.tensor([partial_score(m, d) for m, d in zip(metadata, found, strict=True)])
+
+    return reward
+
+
+@register("geneval_real_strict")
+def geneval_real_strict(cfg: Config) -> RewardFn:
+    """GenEval's binary verdict on OWLv2 + CLIP-colour detections of real images."""
+    from pipeline.geneval import evaluate
+
+    detect = _geneval_detector(cfg)
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        found = detect(images, metadata)
+        verdicts = [evaluate(m, d)[0] for m, d in zip(metadata, found, strict=True)]
+        return torch.tensor(verdicts, dtype=torch.float32)
+
+    return reward
+
+
+def _reward_dir(cfg: Config, key: str) -> str:
+    """The directory `score.<key>` names, or a ConfigError (weights are never downloaded)."""
+    from pipeline.config import ConfigError
+
+    path = cfg.path(getattr(cfg.score, key))
+    if not path.is_dir():
+        raise ConfigError(f"score.{key}: no model directory at {path} (local weights only)")
+    return str(path)
+
+
+def _load_real(kind: str, path: str, cfg: Config):
+    return _load_real_cached(kind, path, cfg.model.device, cfg.score.reward_batch_size)
+
+
+@cache
+def _load_real_cached(kind: str, path: str, device: str, batch_size: int):
+    from pathlib import Path
+
+    from pipeline import real_rewards
+
+    load = {"clip": real_rewards.load_clip, "owlv2": real_rewards.load_owlv2}[kind]
+    return load(Path(path), device=device, batch_size=batch_size)
+
+
+def _geneval_detector(cfg: Config):
+    from pipeline.real_rewards import ColorClassifier, GenEvalDetector
+
+    detector = _load_real("owlv2", _reward_dir(cfg, "detector_path"), cfg)
+    colors = ColorClassifier(_load_real("clip", _reward_dir(cfg, "color_clip_path"), cfg))
+    return GenEvalDetector(detector, colors, nms_iou=cfg.score.detector_nms_iou)
+
+
 class RewardMix:
     """A weighted sum of registered rewards; also returns each component for the score table."""
 

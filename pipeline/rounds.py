@@ -69,7 +69,8 @@ class Schedule:
         steps = window.nonzero().flatten()
         if steps.numel() == 0:
             raise ValueError(f"the SDE window of sampler {kind!r} holds no trainable step")
-        return cls(kind, cfg.rollout.eta, cfg.sampling.guidance, sigmas, window, steps)
+        eta = cfg.rollout.eta.get(kind, 0.0)
+        return cls(kind, eta, cfg.sampling.guidance, sigmas, window, steps)
 
     @property
     def boundary_states(self) -> Tensor:
@@ -324,7 +325,7 @@ def reward_matrix(
     wide = wide.reindex(index=range(n), columns=steps.tolist())
     if wide.isna().to_numpy().any():
         raise ValueError(f"score table lacks {estimator}/{reward} values for some states")
-    return torch.from_numpy(wide.to_numpy(dtype=np.float64))
+    return torch.from_numpy(wide.to_numpy(dtype=np.float64, copy=True))
 
 
 @dataclass

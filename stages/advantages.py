@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 from prefect import task
@@ -45,7 +46,7 @@ def read_advantages(run: Path, round_index: int) -> torch.Tensor:
     """(N, K) advantages of a round, as the update consumes them."""
     table = pd.read_parquet(advantages_file(run, round_index))
     wide = table.pivot(index="trajectory", columns="k", values="advantage")
-    return torch.from_numpy(wide.to_numpy()).float()
+    return torch.from_numpy(wide.to_numpy(dtype=np.float32, copy=True))
 
 
 @task(name="advantages", cache_policy=NO_CACHE)
