@@ -137,7 +137,9 @@ def evaluate(
     ] = "base",
 ) -> None:
     """GenEval protocol on the test prompts for the base model or a trained policy."""
-    _run("evaluate", params, set_, policy=policy)
+    from pipeline.flows import run_stage
+
+    run_stage("evaluate", _config(params, set_), run_name=f"evaluate/{policy}", policy=policy)
 
 
 @app.command()

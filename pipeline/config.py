@@ -83,17 +83,36 @@ class ModelParams(Section):
 
 
 class BaseParams(Section):
-    """`base` stage: pretraining of the embedded flow model and of ShapesCLIP."""
+    """`base` stage: pretrain the embedded flow model (and ShapesCLIP) on ShapesWorld renders."""
 
-    steps: PositiveInt = 6000
+    steps: PositiveInt = 4000  # flow-matching optimizer steps
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
-    warmup: Annotated[int, Field(ge=0)] = 200
+    warmup: Annotated[int, Field(ge=0)] = 200  # linear lr warmup steps
     ema_decay: Probability = 0.999
     caption_dropout: Probability = 0.1  # share of empty captions, for classifier-free guidance
+    t_mean: float = 0.0  # logit-normal timestep sampling (SD3): mean and std of the logit
+    t_std: PositiveFloat = 1.0
     seed: int = 0
+    latent_channels: Annotated[int, Field(ge=0)] = 4  # autoencoder latent channels; 0 = pixels
+    ae_channels: list[PositiveInt] = [16, 32]  # autoencoder widths per resolution level
+    ae_steps: Annotated[int, Field(ge=0)] = 1500
+    ae_lr: PositiveFloat = 2e-3
+    ae_batch_size: PositiveInt = 32
+    patch_size: PositiveInt = 2  # transformer patch side, in latent pixels
+    num_layers: PositiveInt = 4  # MMDiT blocks
+    num_heads: PositiveInt = 4
+    head_dim: PositiveInt = 32
+    text_dim: PositiveInt = 64  # tiny CLIP text encoder width (trained jointly)
+    text_layers: PositiveInt = 2
+    text_heads: PositiveInt = 2
     clip_steps: PositiveInt = 1500  # ShapesCLIP contrastive training steps
     clip_batch_size: PositiveInt = 64
+    clip_lr: PositiveFloat = 1e-3
+
+    def pretrain_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `pipeline.pretrain.pretrain_base` (not ShapesCLIP's)."""
+        return self.model_dump(exclude={"clip_steps", "clip_batch_size", "clip_lr"})
 
 
 class SamplingParams(Section):
@@ -187,6 +206,13 @@ class EvaluateParams(Section):
     batch_size: PositiveInt = 64
 
 
+class RescoreParams(Section):
+    """`rescore` DVC stage: which training run's rollouts to re-score, with which reward mix."""
+
+    run: str = "flow_grpo-s0"  # a run under data/train
+    rewards: str = "shapesclip=1"  # NAME[=WEIGHT],...
+
+
 class Config(Section):
     """All of `params.yaml`. `root` is the directory relative paths are resolved against."""
 
@@ -202,6 +228,7 @@ class Config(Section):
     update: UpdateParams = UpdateParams()
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
+    rescore: RescoreParams = RescoreParams()
 
     @model_validator(mode="after")
     def _window_inside_schedule(self) -> Config:

@@ -32,35 +32,48 @@ def register(name: str):
     return add
 
 
-def _detections(images: Tensor) -> list[dict]:
+Detect = Callable[[Tensor, Sequence[dict]], list[dict]]  # (images, metadata) -> detections
+
+
+def _shapes_detections(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
     from pipeline.detector import detect_batch
 
     return detect_batch(images.detach().float().cpu())
 
 
-@register("geneval")
-def geneval_partial(cfg: Config) -> RewardFn:
-    """Dense GenEval reward: the fraction of satisfied clause checks, in [0, 1]."""
+def partial_geneval_reward(detect: Detect) -> RewardFn:
+    """Dense GenEval reward on `detect`'s detections: the share of satisfied clause checks."""
     from pipeline.geneval import partial_score
 
     def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
-        found = _detections(images)
+        found = detect(images, metadata)
         return torch.tensor([partial_score(m, d) for m, d in zip(metadata, found, strict=True)])
 
     return reward
 
 
-@register("geneval_strict")
-def geneval_strict(cfg: Config) -> RewardFn:
-    """GenEval's binary verdict: 1 when every rule holds."""
+def strict_geneval_reward(detect: Detect) -> RewardFn:
+    """GenEval's binary verdict on `detect`'s detections: 1 when every rule holds."""
     from pipeline.geneval import evaluate
 
     def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
-        found = _detections(images)
+        found = detect(images, metadata)
         verdicts = [evaluate(m, d)[0] for m, d in zip(metadata, found, strict=True)]
         return torch.tensor(verdicts, dtype=torch.float32)
 
     return reward
+
+
+@register("geneval")
+def geneval_partial(cfg: Config) -> RewardFn:
+    """Dense GenEval reward on ShapesWorld's detector, in [0, 1]."""
+    return partial_geneval_reward(_shapes_detections)
+
+
+@register("geneval_strict")
+def geneval_strict(cfg: Config) -> RewardFn:
+    """GenEval's binary verdict on ShapesWorld's detector."""
+    return strict_geneval_reward(_shapes_detections)
 
 
 @register("shapesclip")
@@ -102,30 +115,13 @@ def clipscore(cfg: Config) -> RewardFn:
 @register("geneval_real")
 def geneval_real(cfg: Config) -> RewardFn:
     """Dense GenEval reward (as `geneval`) on OWLv2 + CLIP-colour detections of real images."""
-    from pipeline.geneval import partial_score
-
-    detect = _geneval_detector(cfg)
-
-    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
-        found = detect(images, metadata)
-        return torch.tensor([partial_score(m, d) for m, d in zip(metadata, found, strict=True)])
-
-    return reward
+    return partial_geneval_reward(_geneval_detector(cfg))
 
 
 @register("geneval_real_strict")
 def geneval_real_strict(cfg: Config) -> RewardFn:
     """GenEval's binary verdict on OWLv2 + CLIP-colour detections of real images."""
-    from pipeline.geneval import evaluate
-
-    detect = _geneval_detector(cfg)
-
-    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
-        found = detect(images, metadata)
-        verdicts = [evaluate(m, d)[0] for m, d in zip(metadata, found, strict=True)]
-        return torch.tensor(verdicts, dtype=torch.float32)
-
-    return reward
+    return strict_geneval_reward(_geneval_detector(cfg))
 
 
 def _reward_dir(cfg: Config, key: str) -> str:

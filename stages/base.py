@@ -1,0 +1,80 @@
+"""`base` stage: the base policy and the learned reward.
+
+ShapesWorld: pretrain the embedded flow model on renders of the train prompts
+(`data/base/model`) and ShapesCLIP (`data/base/shapesclip`); write the loss curve and the
+summary metrics to `reports/base/`. SD3: check the local weights directory, train nothing.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from pipeline import layout
+from pipeline.config import Config
+from pipeline.io import atomic_path, write_json
+from pipeline.rewards import SHAPESCLIP_DIR
+from pipeline.tracking import log_artifact, log_metrics
+
+
+@task(name="base", cache_policy=NO_CACHE)
+def base(cfg: Config) -> dict[str, float]:
+    report = cfg.path(layout.REPORTS / "base")
+    if cfg.model.backend == "sd3":
+        from pipeline.sd3 import check_directory
+
+        check_directory(cfg.path(cfg.model.path))
+        write_json(report / "metrics.json", {"backend": "sd3"})
+        return {}
+    from pipeline.pretrain import pretrain_base
+    from pipeline.shapesclip import train_shapesclip
+
+    image_size = cfg.world.image_size
+    with atomic_path(cfg.path(cfg.model.path)) as tmp:
+        history = pretrain_base(
+            tmp, prompts=layout.load_prompts(cfg, "train"), image_size=image_size,
+            **cfg.base.pretrain_kwargs(),
+        )  # fmt: skip
+    clip = train_shapesclip(
+        cfg.path(SHAPESCLIP_DIR),
+        steps=cfg.base.clip_steps,
+        batch_size=cfg.base.clip_batch_size,
+        lr=cfg.base.clip_lr,
+        seed=cfg.base.seed,
+        image_size=image_size,
+    )
+    losses = history["flow_loss"]
+    tail = losses[-max(1, len(losses) // 10) :]
+    metrics = {
+        "flow_loss_final": sum(tail) / len(tail),
+        "pretrain_seconds": sum(history["seconds"].values()),
+        "parameters": sum(history["num_parameters"].values()),
+        "shapesclip_hard_negative_accuracy": clip.get("hard_negative_accuracy", float("nan")),
+        "shapesclip_seconds": clip.get("seconds", float("nan")),
+    }
+    write_json(report / "metrics.json", metrics)
+    loss_curve(losses, report / "loss.png")
+    log_metrics({f"base/{k}": v for k, v in metrics.items()})
+    log_artifact(report / "loss.png")
+    return metrics
+
+
+def loss_curve(losses: list[float], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    steps = np.arange(1, len(losses) + 1)
+    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
+    window = max(1, len(losses) // 50)
+    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
+    ax.plot(steps[window - 1 :], smooth, lw=1.5, label=f"mean of {window}")
+    ax.set(xlabel="step", ylabel="flow-matching loss", yscale="log", title="Base model pretraining")
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
+    plt.close(fig)

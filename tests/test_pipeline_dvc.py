@@ -1,0 +1,181 @@
+"""The whole DVC pipeline on smoke params in a scratch git clone: every stage through the real
+CLI and Prefect, every report file, a no-op second `dvc repro`, DVC metrics, and MLflow (both
+the Python API and the `mlflow ui` REST API on loopback)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import apply_overrides
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tiny everything: a few seconds per stage beyond Prefect's and the imports' start-up.
+SMOKE = [
+    "world.image_size=32",
+    "prompts.n_train=60",
+    "prompts.n_test=12",
+    "base.steps=30",
+    "base.batch_size=16",
+    "base.latent_channels=0",
+    "base.ae_steps=0",
+    "base.patch_size=4",
+    "base.num_layers=1",
+    "base.num_heads=2",
+    "base.head_dim=8",
+    "base.text_dim=16",
+    "base.text_layers=1",
+    "base.clip_steps=10",
+    "base.clip_batch_size=8",
+    "sampling.num_steps=4",
+    "sampling.eval_num_steps=4",
+    "rollout.prompts_per_round=2",
+    "rollout.group_size=4",
+    "update.minibatch_size=16",
+    "train.rounds=2",
+    "train.seeds=[0]",
+    "evaluate.images_per_prompt=1",
+]
+
+
+def run(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def reproduced(tmp_path_factory):
+    """A git clone of the working tree with smoke params, after one `dvc repro`."""
+    root = tmp_path_factory.mktemp("pipeline") / "repo"
+    tracked = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True,
+        text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in tracked:
+        if (REPO / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, root / name)
+    params = root / "params.yaml"
+    params.write_text(yaml.safe_dump(apply_overrides(yaml.safe_load(params.read_text()), SMOKE)))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("MLFLOW_", "PREFECT_", "CREDITFLOW_"))
+    }
+    env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    env["GIT_AUTHOR_NAME"] = env["GIT_COMMITTER_NAME"] = "ci"
+    env["GIT_AUTHOR_EMAIL"] = env["GIT_COMMITTER_EMAIL"] = "ci@localhost"
+    for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "smoke"]):
+        run(cmd, root, env)
+    first = run(["dvc", "repro"], root, env)
+    return root, env, first
+
+
+def test_repro_produces_every_report_without_errors(reproduced):
+    root, env, first = reproduced
+    for name in [
+        "reports/base/metrics.json",
+        "reports/base/loss.png",
+        "reports/eval/base/metrics.json",
+        "reports/eval/base/samples.png",
+        "reports/rescore/summary.md",
+        "reports/README.md",
+        "reports/benchmark.md",
+        "reports/benchmark.json",
+    ] + [
+        f"reports/{kind}/{method}-s0/{file}"
+        for method in ("flow_grpo", "stepwise", "tp_grpo")
+        for kind, file in (("train", "rounds.json"), ("eval", "metrics.json"))
+    ]:
+        assert (root / name).is_file(), name
+    log = first.stdout + first.stderr
+    assert "Traceback" not in log
+    assert " ERROR " not in log and "| ERROR" not in log
+    bench = json.loads((root / "reports/benchmark.json").read_text())
+    assert {"rounds_ratio", "wallclock_ratio", "round_cost_ratio", "rollout_efficiency"} <= set(
+        bench
+    )
+
+
+def test_second_repro_runs_nothing_and_dry_run_lists_stages(reproduced):
+    root, env, _ = reproduced
+    again = run(["dvc", "repro"], root, env)
+    assert "Running stage" not in again.stdout
+    dry = run(["dvc", "repro", "--dry", "--force"], root, env)
+    for stage in ("prompts", "base", "train@flow_grpo-0", "evaluate_base", "report", "bench"):
+        assert f"Running stage '{stage}'" in dry.stdout
+
+
+def test_dvc_metrics_show_lists_per_tag_scores(reproduced):
+    root, env, _ = reproduced
+    shown = run(["dvc", "metrics", "show", "--json"], root, env).stdout
+    assert "per_tag" in shown and "overall" in shown
+
+
+def test_mlflow_holds_parent_and_child_runs(reproduced):
+    root, env, _ = reproduced
+    code = (
+        "import mlflow, json;"
+        f"mlflow.set_tracking_uri('sqlite:///{root}/mlflow.db');"
+        "runs = mlflow.search_runs(experiment_names=['creditflow']);"
+        "print(json.dumps({'names': runs['tags.mlflow.runName'].tolist(),"
+        "'parents': runs['tags.mlflow.parentRunId'].dropna().unique().tolist(),"
+        "'has_reward': 'metrics.reward/mean' in runs}))"
+    )
+    found = json.loads(run([sys.executable, "-c", code], root, env).stdout.strip().splitlines()[-1])
+    assert "train/stepwise-s0" in found["names"]
+    assert "evaluate/base" in found["names"]
+    assert len(found["parents"]) == 1  # one pipeline run, every stage a child of it
+    assert found["has_reward"]
+
+
+def test_mlflow_ui_serves_the_runs_over_loopback(reproduced):
+    root, env, _ = reproduced
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(
+                    f"{base}/experiments/get-by-name?experiment_name=creditflow", timeout=5
+                ) as r:
+                    experiment = json.load(r)["experiment"]
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        request = urllib.request.Request(
+            f"{base}/runs/search",
+            data=json.dumps(
+                {"experiment_ids": [experiment["experiment_id"]], "max_results": 100}
+            ).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as r:
+            runs = json.load(r)["runs"]
+        metric_keys = {m["key"] for run_ in runs for m in run_["data"].get("metrics", [])}
+        assert "reward/mean" in metric_keys and "geneval/overall" in metric_keys
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
