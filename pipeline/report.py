@@ -1,0 +1,664 @@
+"""The comparison report: markdown tables and PNG figures from the pipeline's numbers.
+
+Pure functions: data in, a markdown string or a PNG file out (written atomically). Missing data
+is shown as "—" in tables and as a "no data" note in figures, never an error. Spreads are over
+seeds: a cell reads `mean (min–max)`; two methods differ "beyond seed spread" only when their
+min–max ranges do not overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import Tensor
+
+from pipeline.bench import BASELINE, CHALLENGERS, PHASES, TARGETS, Runs, seed_matrix
+from pipeline.geneval import TAGS
+from pipeline.io import atomic_path
+
+COLORS = {"base": "#7f7f7f", "flow_grpo": "#1f77b4", "stepwise": "#ff7f0e", "tp_grpo": "#2ca02c"}
+DASH = "—"
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Mean and min–max of a quantity over seeds (n = how many values)."""
+
+    mean: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Spread | None:
+        values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+        if not values:
+            return None
+        return cls(float(np.mean(values)), min(values), max(values), len(values))
+
+    def text(self, digits: int = 2) -> str:
+        if self.n == 1:
+            return f"{self.mean:.{digits}f}"
+        return f"{self.mean:.{digits}f} ({self.low:.{digits}f}–{self.high:.{digits}f})"
+
+
+def compare(a: Spread, b: Spread, name: str) -> str:
+    """How `a` stands against `b` (called `name`): higher/lower beyond seed spread, or within it.
+
+    With a single value on either side there is no spread to judge by: the means decide and the
+    phrase says "(one seed)".
+    """
+    if a.n == 1 or b.n == 1:
+        side = "higher than" if a.mean > b.mean else "lower than" if a.mean < b.mean else "equal to"
+        return f"{side} {name} (one seed)"
+    if a.low > b.high:
+        return f"higher than {name} beyond seed spread"
+    if a.high < b.low:
+        return f"lower than {name} beyond seed spread"
+    return f"within seed spread of {name}"
+
+
+def _text(spread: Spread | None, digits: int = 2) -> str:
+    return DASH if spread is None else spread.text(digits)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    plt = _pyplot()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    plt.close(fig)
+
+
+def _no_data(ax, message: str) -> None:
+    ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+# ---------------------------------------------------------------------------------------------
+# GenEval
+
+
+GenevalTable = dict[str, dict[str, Spread | None]]  # policy group -> column -> spread
+
+
+def geneval_table(evals: Mapping[str, Sequence[Mapping]]) -> GenevalTable:
+    """Per group (base, each method), `overall` and each tag as a spread over its seeds.
+
+    evals: group -> the `reports/eval/<policy>/metrics.json` dicts of its seeds (may be empty).
+    """
+    table: GenevalTable = {}
+    for group, metrics in evals.items():
+        row = {"overall": Spread.of([m["overall"] for m in metrics if "overall" in m])}
+        for tag in TAGS:
+            row[tag] = Spread.of(
+                [m["per_tag"][tag] for m in metrics if tag in m.get("per_tag", {})]
+            )
+        table[group] = row
+    return table
+
+
+def geneval_markdown(table: GenevalTable) -> str:
+    columns = ["overall", *TAGS]
+    lines = [
+        "| policy | seeds | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for group, row in table.items():
+        seeds = max((s.n for s in row.values() if s is not None), default=0)
+        cells = [_text(row[c]) for c in columns]
+        cells[0] = f"**{cells[0]}**" if row["overall"] is not None else DASH
+        lines.append(f"| {group} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_geneval(table: GenevalTable, path: Path) -> None:
+    """Grouped bars: one group of bars per column (overall, tags), one bar per policy group,
+    min–max over seeds as error bars."""
+    plt = _pyplot()
+    columns = ["overall", *TAGS]
+    fig, ax = plt.subplots(figsize=(10, 3.6))
+    groups = [g for g, row in table.items() if any(s is not None for s in row.values())]
+    if not groups:
+        _no_data(ax, "no GenEval metrics (run `creditflow evaluate`)")
+        _save(fig, path)
+        return
+    width = 0.8 / len(groups)
+    x = np.arange(len(columns))
+    for i, group in enumerate(groups):
+        spreads = [table[group][c] for c in columns]
+        means = [s.mean if s else np.nan for s in spreads]
+        errors = [
+            [s.mean - s.low if s else 0 for s in spreads],
+            [s.high - s.mean if s else 0 for s in spreads],
+        ]
+        ax.bar(x + (i - (len(groups) - 1) / 2) * width, means, width, yerr=errors, capsize=2,
+               label=group, color=COLORS.get(group), error_kw={"elinewidth": 0.8})  # fmt: skip
+    ax.set_xticks(x, [c.replace("_", " ") for c in columns])
+    ax.set_ylim(0, 1.15)  # headroom above 1 keeps the legend off the bars
+    ax.set_yticks(np.linspace(0, 1, 6))
+    ax.set_ylabel("GenEval accuracy")
+    ax.set_title("GenEval on the test prompts (bars: mean over seeds; whiskers: min–max)")
+    ax.legend(ncols=len(groups), fontsize=8, loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# learning curves
+
+
+def plot_learning_curves(runs: Runs, path: Path, target: float | None = None) -> None:
+    """Training reward vs round and vs cumulative training seconds, and training accuracy vs
+    round: per method the mean over seeds, shaded min–max over seeds.
+
+    Round r's reward comes from the policy after r updates, so it is plotted at the seconds of
+    rounds 0..r-1 (mean over seeds). `target` (flow_grpo's final smoothed reward) is dashed.
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    panels = [
+        (axes[0], "reward/mean", "round", "training reward"),
+        (axes[1], "reward/mean", "seconds", "training reward"),
+        (axes[2], "train/accuracy", "round", "training GenEval accuracy"),
+    ]
+    for ax, column, x_kind, y_label in panels:
+        drawn = False
+        for method, seeds in runs.items():
+            values = seed_matrix(seeds, column)  # (S, R)
+            if values is None:
+                continue
+            x = np.arange(values.shape[1])
+            if x_kind == "seconds":
+                round_s = seed_matrix(seeds, "time/round_s")
+                if round_s is None:
+                    continue
+                x = np.concatenate([[0.0], np.cumsum(round_s, axis=1).mean(axis=0)[:-1]])
+            color = COLORS.get(method)
+            label = f"{method} ({values.shape[0]} seed{'s' * (values.shape[0] > 1)})"
+            ax.plot(x, values.mean(axis=0), color=color, label=label, lw=1.6)
+            ax.fill_between(x, values.min(axis=0), values.max(axis=0), color=color, alpha=0.2)
+            drawn = True
+        if not drawn:
+            _no_data(ax, f"no `{column}` logged")
+            continue
+        if target is not None and column == "reward/mean":
+            ax.axhline(target, color=COLORS[BASELINE], ls="--", lw=0.8, label="flow_grpo final")
+        ax.set_xlabel("round" if x_kind == "round" else "training seconds (mean over seeds)")
+        ax.set_ylabel(y_label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("Learning curves (line: mean over seeds, band: min–max)", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# credit diagnostics
+
+
+def credit_profile(advantages: pd.DataFrame) -> pd.DataFrame:
+    """Per trained step: mean |step signal|, turning-point frequency, and the share of
+    (trajectory, step) pairs whose advantage sign differs from the final-reward advantage.
+
+    advantages: rows of `data/train/<run>/advantages/round=<r>.parquet` (any rounds and seeds
+    concatenated): step, step_reward, turning_point, advantage, final_advantage.
+    Returns a frame indexed by step with columns abs_signal, turning_point_rate, sign_differs.
+    """
+    frame = advantages.assign(
+        abs_signal=advantages.step_reward.abs(),
+        turning_point_rate=advantages.turning_point.astype(float),
+        sign_differs=(np.sign(advantages.advantage) != np.sign(advantages.final_advantage)).astype(
+            float
+        ),
+    )
+    return frame.groupby("step")[["abs_signal", "turning_point_rate", "sign_differs"]].mean()
+
+
+def early_late_ratio(profile: pd.DataFrame) -> float | None:
+    """Mean |step signal| of the first half of the trained steps over that of the last half
+    (the middle step of an odd count is left out); None with fewer than 2 steps or a zero."""
+    signal = profile.sort_index().abs_signal.to_numpy()
+    half = signal.size // 2
+    if half == 0 or signal[-half:].mean() == 0:
+        return None
+    return float(signal[:half].mean() / signal[-half:].mean())
+
+
+def plot_credit(profiles: Mapping[str, pd.DataFrame], path: Path) -> None:
+    """Three panels over the trained steps: mean |step signal| (step-wise methods), the
+    turning-point frequency (tp_grpo), the share of advantage signs differing from the final."""
+    plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+    panels = [
+        (axes[0], "abs_signal", "mean |step signal|", CHALLENGERS),
+        (axes[1], "turning_point_rate", "turning-point frequency", ("tp_grpo",)),
+        (axes[2], "sign_differs", "advantage sign ≠ final-reward sign", None),
+    ]
+    for ax, column, title, methods in panels:
+        shown = [m for m in profiles if methods is None or m in methods]
+        if not shown:
+            _no_data(ax, "no cached advantages")
+        for method in shown:
+            profile = profiles[method]
+            ax.plot(profile.index, profile[column], "o-", color=COLORS.get(method), label=method)
+        ax.set_title(title, fontsize=9)
+        if shown:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("step (0 = pure noise)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    axes[0].text(0.01, 0.01, "flow_grpo credits R(x0) to every step: flat by construction",
+                 transform=axes[0].transAxes, fontsize=6, color="0.4")  # fmt: skip
+    fig.suptitle("Credit diagnostics (all cached rounds and seeds)", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def credit_markdown(runs: Runs, profiles: Mapping[str, pd.DataFrame]) -> str:
+    """Per method: sign differences and turning points (rounds.json means, spread over seeds)
+    and the early/late |step signal| ratio (cached advantages)."""
+    rates = credit_rates(runs)
+    lines = [
+        "| method | advantage sign ≠ final (share of steps) | turning points (share of steps) "
+        "| mean \\|step signal\\|, first half / last half of the steps |",
+        "|---|---|---|---|",
+    ]
+    for method in dict.fromkeys([*runs, *profiles]):
+        own = rates.get(method, {})
+        ratio = early_late_ratio(profiles[method]) if method in profiles else None
+        shown = DASH if ratio is None or method == BASELINE else f"{ratio:.2f}"
+        lines.append(
+            f"| {method} | {_text(own.get('sign_differs'))} | {_text(own.get('turning_points'))} "
+            f"| {shown} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-monotonic intermediate rewards
+
+
+@dataclass
+class Example:
+    """One trajectory's decoded estimates along its steps and their rewards.
+
+    images: (K, 3, H, W) in [0, 1]; steps, rewards: K state indices and rewards of the estimates;
+    final_reward: R(x0) of the trajectory's final image.
+    """
+
+    title: str
+    steps: list[int]
+    rewards: list[float]
+    images: Tensor
+    final_reward: float
+
+    @property
+    def turns(self) -> int:
+        """Direction changes of the reward sequence (estimates, then the final reward)."""
+        moves = np.sign(np.diff([*self.rewards, self.final_reward]))
+        moves = moves[moves != 0]
+        return int((moves[1:] != moves[:-1]).sum())
+
+    @property
+    def excess_variation(self) -> float:
+        """Total variation of the reward path minus its net change: 0 when monotonic."""
+        path = np.array([*self.rewards, self.final_reward])
+        return float(np.abs(np.diff(path)).sum() - abs(path[-1] - path[0]))
+
+
+def trajectory_examples(
+    keys: pd.DataFrame, images: Tensor, scores: pd.DataFrame, *, limit: int = 3, prefix: str = ""
+) -> list[Example]:
+    """The `limit` most non-monotonic trajectories among the stored estimates of one round.
+
+    keys: (M rows) trajectory, step, estimator of each image in images (M, 3, H, W); scores: the
+    round's score table (trajectory, step, estimator, reward, value); the "mix" reward is shown.
+    Ranked by direction changes, then by excess variation.
+    """
+    mix = scores[scores.reward == "mix"]
+    value = mix.set_index(["trajectory", "step", "estimator"]).value
+    final = mix[mix.estimator == "final"].set_index("trajectory").value
+    examples = []
+    keys = keys.reset_index(drop=True)
+    for (trajectory, estimator), rows in keys.groupby(["trajectory", "estimator"], sort=True):
+        rows = rows.sort_values("step")
+        lookup = [(trajectory, step, estimator) for step in rows.step]
+        if trajectory not in final.index or not all(k in value.index for k in lookup):
+            continue
+        examples.append(
+            Example(
+                title=f"{prefix}traj {trajectory} · {estimator}",
+                steps=[int(s) for s in rows.step],
+                rewards=[float(value[k]) for k in lookup],
+                images=images[torch.tensor(rows.index.tolist())],
+                final_reward=float(final[trajectory]),
+            )
+        )
+    examples.sort(key=lambda e: (-e.turns, -e.excess_variation))
+    return examples[:limit]
+
+
+def plot_examples(examples: Sequence[Example], path: Path) -> None:
+    """One row per trajectory: its decoded estimates along the steps, the reward under each (red
+    where it fell from the previous estimate), the final reward R(x0) at the end of the row."""
+    plt = _pyplot()
+    if not examples:
+        fig, ax = plt.subplots(figsize=(6, 1.5))
+        _no_data(ax, "no stored estimate images (stepwise / tp_grpo rounds)")
+        _save(fig, path)
+        return
+    columns = max(len(e.steps) for e in examples)
+    fig, axes = plt.subplots(
+        len(examples), columns, figsize=(1.3 * columns + 1.2, 1.75 * len(examples)), squeeze=False
+    )
+    for row, example in zip(axes, examples, strict=True):
+        for i, ax in enumerate(row):
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if i >= len(example.steps):
+                ax.axis("off")
+                continue
+            ax.imshow(
+                example.images[i].permute(1, 2, 0).clamp(0, 1).numpy(), interpolation="nearest"
+            )
+            fell = i > 0 and example.rewards[i] < example.rewards[i - 1]
+            ax.set_xlabel(f"step {example.steps[i]}\nr = {example.rewards[i]:.3f}", fontsize=7,
+                          color="tab:red" if fell else "black")  # fmt: skip
+        row[0].set_ylabel(example.title.replace(" · ", "\n"), fontsize=7)
+        last = row[len(example.steps) - 1]
+        turns = f"{example.turns} turn{'s' * (example.turns != 1)}"
+        fell = example.final_reward < example.rewards[-1]
+        last.text(
+            1.08,
+            0.5,
+            f"R(x0)\n= {example.final_reward:.3f}\n({turns})",
+            transform=last.transAxes,
+            fontsize=7,
+            va="center",
+            color="tab:red" if fell else "black",
+        )
+    fig.suptitle(
+        "Rewards of decoded clean-image estimates along trajectories (red: fell)", fontsize=9
+    )
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# cost and verdict
+
+
+def _x(value: float | None, reference: float | None) -> str:
+    if value is None or not reference:
+        return DASH
+    return f"{value / reference:.2f}×"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return DASH if value is None else format(value, spec)
+
+
+def cost_markdown(bench: dict) -> str:
+    """Seconds and NFEs per round per phase per method (means over rounds and seeds)."""
+    methods = bench["methods"]
+    base = methods.get(BASELINE, {})
+    header = [f"{p} s" for p in PHASES] + ["round s", "× flow_grpo"]
+    header += [f"{p} NFE" for p in PHASES] + ["round NFE", "× flow_grpo"]
+    lines = ["| method | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for method, m in methods.items():
+        cells = [_num(m["seconds_per_round_by_phase"][p], ".2f") for p in PHASES]
+        cells += [_num(m["seconds_per_round"], ".2f")]
+        cells += [_x(m["seconds_per_round"], base.get("seconds_per_round"))]
+        cells += [_num(m["nfe_per_round_by_phase"][p], ".0f") for p in PHASES]
+        cells += [
+            _num(m["nfe_per_round"], ".0f"),
+            _x(m["nfe_per_round"], base.get("nfe_per_round")),
+        ]
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _fewer(challenger: Sequence[float | None], baseline: Sequence[float | None]) -> str:
+    """Seed-spread judgement of 'challenger needs less' (None = never reached = infinite)."""
+    inf = float("inf")
+    a = [inf if v is None else v for v in challenger]
+    b = [inf if v is None else v for v in baseline]
+    if len(a) < 2 or len(b) < 2:
+        return "one seed"
+    if max(a) < min(b):
+        return "beyond seed spread"
+    if min(a) > max(b):
+        return "slower beyond seed spread"
+    return "within seed spread"
+
+
+def credit_rates(runs: Runs) -> dict[str, dict[str, Spread | None]]:
+    """Per method, over seeds: the mean over rounds of the share of steps whose advantage sign
+    differs from the final-reward advantage (`sign_differs`) and of turning points."""
+    rates = {}
+    for method, seeds in runs.items():
+        rates[method] = {}
+        for name, key in (("sign_differs", "credit/sign_differs_from_final"),
+                          ("turning_points", "credit/turning_point_rate")):  # fmt: skip
+            values = seed_matrix(seeds, key)  # (S, R)
+            rates[method][name] = None if values is None else Spread.of(values.mean(axis=1))
+    return rates
+
+
+def verdict(
+    geneval: GenevalTable, bench: dict, profiles: Mapping[str, pd.DataFrame], runs: Runs
+) -> list[str]:
+    """A few bullet lines stating what the numbers say, each with its seed spread."""
+    lines = [_geneval_verdict(geneval)]
+    methods, target = bench["methods"], bench["target_reward"]
+    if methods:
+        lines.append(
+            f"**Training reward** after the last round (smoothed over "
+            f"{bench['smoothing_window']} rounds): "
+            + "; ".join(
+                f"{m} {Spread.of(s['final_reward_per_seed']).text(3)}"
+                + _versus(methods, m, "final_reward_per_seed")
+                for m, s in methods.items()
+            )
+            + "."
+        )
+    if target is None:
+        lines.append(f"No {BASELINE} run: rounds-to-reward and wall-clock are not measurable.")
+        return lines + [f"Note: {note}" for note in bench["notes"]]
+    base = methods[BASELINE]
+    lines.append(
+        f"**Rounds to {BASELINE}'s final reward {target:.3f}**: {BASELINE} "
+        f"{_num(base['rounds_to_target'], 'd')}"
+        + "".join(_reached(bench, m, "rounds_ratio", "rounds_to_target") for m in CHALLENGERS)
+        + "."
+    )
+    lines.append(
+        f"**Wall-clock to that reward**: {BASELINE} {_num(base['seconds_to_target'], '.0f')} s"
+        + "".join(_reached(bench, m, "wallclock_ratio", "seconds_to_target") for m in CHALLENGERS)
+        + "."
+    )
+    costs = [
+        f"{m} {_num(bench['round_cost_ratio'][m], '.2f')}× the seconds (target ≤ "
+        f"{TARGETS['round_cost_ratio'][m]}×: {_met(bench['met']['round_cost_ratio'][m])}) and"
+        f" {_num(bench['round_nfe_ratio'][m], '.2f')}× the NFEs"
+        for m in CHALLENGERS
+        if m in methods
+    ]
+    if costs:
+        lines.append(f"**Cost per round** vs {BASELINE}: " + "; ".join(costs) + ".")
+    beat = []
+    for m in (m for m in CHALLENGERS if m in methods):
+        parts = []
+        for key, what, per in (
+            ("rounds_ratio", "in rounds", "rounds_to_target_per_seed"),
+            ("wallclock_ratio", "in wall-clock", "seconds_to_target_per_seed"),
+        ):
+            won = bench[key][m] is not None and bench[key][m] < 1
+            parts.append(
+                f"{what} **{'yes' if won else 'no'}** ({_fewer(methods[m][per], base[per])})"
+            )
+        beat.append(f"{m}: " + ", ".join(parts))
+    if beat:
+        lines.append(
+            "**Did step-wise credit beat the final-reward baseline** (the claim of Savani et al. "
+            "2026 and Tong et al. 2026)? " + "; ".join(beat) + "."
+        )
+    lines.append(_credit_verdict(profiles, credit_rates(runs)))
+    lines += [f"Note: {note}" for note in bench["notes"]]
+    return [line for line in lines if line]
+
+
+def _geneval_verdict(geneval: GenevalTable) -> str:
+    overall = {g: row["overall"] for g, row in geneval.items() if row.get("overall") is not None}
+    if not overall:
+        return "No GenEval metrics yet (`creditflow evaluate`)."
+    text = "; ".join(
+        f"{g} {s.text()}"
+        + (
+            f", {compare(s, overall[BASELINE], BASELINE)}"
+            if g in CHALLENGERS and BASELINE in overall
+            else ""
+        )
+        for g, s in overall.items()
+    )
+    line = f"**GenEval overall** on the test prompts: {text}."
+    if "base" in overall:
+        trained = [g for g in overall if g != "base"]
+        above = [g for g in trained if overall[g].low > overall["base"].mean]
+        if above:
+            line += f" Above the base model on every seed: {', '.join(above)}."
+        if len(above) < len(trained):
+            rest = ", ".join(g for g in trained if g not in above)
+            line += f" Not above it on every seed: {rest}."
+    return line
+
+
+def _versus(methods: Mapping[str, dict], method: str, field: str) -> str:
+    if method not in CHALLENGERS or BASELINE not in methods:
+        return ""
+    ours, theirs = Spread.of(methods[method][field]), Spread.of(methods[BASELINE][field])
+    return ", " + compare(ours, theirs, BASELINE)
+
+
+def _met(met: bool | None) -> str:
+    return "not measurable" if met is None else "met" if met else "not met"
+
+
+def _credit_verdict(
+    profiles: Mapping[str, pd.DataFrame], rates: Mapping[str, Mapping[str, Spread | None]]
+) -> str:
+    parts = []
+    early = [(m, early_late_ratio(profiles[m])) for m in CHALLENGERS if m in profiles]
+    early = [(m, r) for m, r in early if r is not None]
+    if early:
+        parts.append(
+            "**Early steps worth more?** "
+            + "; ".join(
+                f"{m} {'yes' if r > 1 else 'no'} (mean |step signal| of the first half "
+                f"of the steps is {r:.2f}× the last half's)"
+                for m, r in early
+            )
+            + "."
+        )
+    signs = [
+        f"{r['sign_differs'].mean:.0%} of {m}'s steps"
+        for m, r in rates.items()
+        if m != BASELINE and r["sign_differs"] is not None
+    ]
+    if signs:
+        parts.append(f"The advantage sign differs from the final-reward one at {', '.join(signs)}.")
+    tp = rates.get("tp_grpo", {}).get("turning_points")
+    if tp is not None:
+        parts.append(f"Turning points: {tp.mean:.0%} of tp_grpo's steps.")
+    return " ".join(parts)
+
+
+def _reached(bench: dict, method: str, key: str, field: str) -> str:
+    """ "; stepwise 3 = 0.33× (target ≤ 0.33: met, within seed spread)" for a verdict line."""
+    m = bench["methods"].get(method)
+    goal = f"target ≤ {TARGETS[key][method]:.2f}"
+    if m is None:
+        return f"; {method} not run"
+    if m["rounds_to_target"] is None:
+        return f"; {method} not reached in {m['rounds']} rounds ({goal}: not met)"
+    value, met = bench[key][method], bench["met"][key][method]
+    unit = " s" if field == "seconds_to_target" else ""
+    shown = "" if value is None else f" = {value:.2f}× ({goal}: {_met(met)})"
+    return f"; {method} {_num(m[field], '.0f')}{unit}{shown}"
+
+
+def readme(
+    *,
+    header: str,
+    verdict_lines: Sequence[str],
+    geneval: str,
+    samples: Sequence[str],
+    cost: str,
+    credit: str,
+    missing: Sequence[str],
+) -> str:
+    """`reports/README.md`: verdict first, then the tables and figures behind it."""
+    parts = [
+        "# creditflow results",
+        "",
+        header,
+        "",
+        "## Verdict",
+        "",
+        *(f"- {line}" for line in verdict_lines),
+        "",
+        "## GenEval on the test prompts",
+        "",
+        "Accuracy, mean (min–max) over seeds.",
+        "",
+        geneval,
+        "",
+        "![GenEval per tag](figures/geneval.png)",
+        "",
+    ]
+    if samples:
+        parts += ["Sample grids: " + " · ".join(samples), ""]
+    parts += [
+        "## Learning curves",
+        "",
+        "![learning curves](figures/learning_curves.png)",
+        "",
+        "Rounds and wall-clock to flow_grpo's final reward: [benchmark.md](benchmark.md).",
+        "",
+        "## Cost per round",
+        "",
+        "Means over rounds and seeds; NFE = one sample through the denoiser (CFG counts two).",
+        "",
+        cost,
+        "",
+        "## Credit diagnostics",
+        "",
+        credit,
+        "",
+        "![credit diagnostics](figures/credit.png)",
+        "",
+        "![non-monotonic intermediate rewards](figures/nonmonotonic.png)",
+        "",
+    ]
+    if missing:
+        parts += ["## Missing inputs", "", *(f"- {m}" for m in missing), ""]
+    return "\n".join(parts)

@@ -1,0 +1,56 @@
+"""`bench` stage: the sample-efficiency benchmark, side by side in one run.
+
+Reads every configured training run's `reports/train/<run>/rounds.json` (rounds and wall-clock to
+flow_grpo's final reward, per-round cost; definitions in `pipeline.bench`) and times, in this
+process, a rollout of the base model against the same raw batched denoiser calls. Writes
+`reports/benchmark.json` and `reports/benchmark.md`.
+"""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from pipeline import layout
+from pipeline.bench import (
+    benchmark,
+    benchmark_markdown,
+    read_training_runs,
+    rollout_efficiency,
+    samplers_of,
+)
+from pipeline.config import Config, ConfigError
+from pipeline.io import write_json, write_text
+from pipeline.policy import load_backend
+from pipeline.tracking import log_artifact, log_metrics
+
+REPEATS = 5  # timed rollouts (and raw passes) per sampler; the median is kept
+
+
+@task(name="bench", cache_policy=NO_CACHE)
+def bench(cfg: Config) -> dict:
+    runs = read_training_runs(cfg.path(layout.REPORTS), cfg.train.methods, cfg.train.seeds)
+    result = benchmark(runs)
+    try:
+        backend, prompts = load_backend(cfg).eval(), layout.load_prompts(cfg, "train")
+    except ConfigError as exc:
+        result["rollout"], result["rollout_efficiency"] = [], None
+        result["notes"].append(f"rollout efficiency not measured: {exc}")
+    else:
+        result["rollout"] = [
+            rollout_efficiency(backend, prompts, cfg, kind, REPEATS) for kind in samplers_of(cfg)
+        ]
+        # The slowest sampler bounds what any method's rollouts keep of raw throughput.
+        result["rollout_efficiency"] = min(r["efficiency"] for r in result["rollout"])
+    reports = cfg.path(layout.REPORTS)
+    write_json(reports / "benchmark.json", result)
+    write_text(reports / "benchmark.md", benchmark_markdown(result))
+    flat = {
+        f"bench/{key}/{method}": value
+        for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_nfe_ratio")
+        for method, value in result[key].items()
+    } | {"bench/rollout_efficiency": result["rollout_efficiency"]}
+    log_metrics(flat)
+    log_artifact(reports / "benchmark.md")
+    log_artifact(reports / "benchmark.json")
+    return result

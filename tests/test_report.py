@@ -1,0 +1,225 @@
+"""The report: tables against hand-computed numbers, graceful gaps, and every file produced."""
+
+from __future__ import annotations
+
+import mlflow
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from pipeline import layout
+from pipeline.config import load_config
+from pipeline.flows import run_stage
+from pipeline.io import write_json
+from pipeline.report import (
+    Spread,
+    compare,
+    credit_profile,
+    early_late_ratio,
+    geneval_markdown,
+    geneval_table,
+    trajectory_examples,
+)
+from pipeline.tracking import EXPERIMENT, STAGE_TAG, tracking_uri
+from pipeline.trajectories import write_estimate_images, write_scores
+from stages.report import report
+from tests.test_bench import CURVES, rounds_rows
+
+FIGURES = ("geneval.png", "learning_curves.png", "credit.png", "nonmonotonic.png")
+
+
+def test_spread_text_and_comparison():
+    two = Spread.of([0.5, 0.7])
+    assert (two.mean, two.low, two.high, two.n) == (pytest.approx(0.6), 0.5, 0.7, 2)
+    assert two.text() == "0.60 (0.50–0.70)"
+    assert Spread.of([0.25]).text(3) == "0.250"
+    assert Spread.of([None, float("nan")]) is None
+    assert compare(Spread.of([0.8, 0.9]), two, "b") == "higher than b beyond seed spread"
+    assert compare(Spread.of([0.65, 0.9]), two, "b") == "within seed spread of b"
+    assert compare(Spread.of([0.1, 0.2]), two, "b") == "lower than b beyond seed spread"
+    assert compare(Spread.of([0.9]), two, "b") == "higher than b (one seed)"
+
+
+def test_geneval_table_averages_seeds_and_shows_gaps():
+    evals = {
+        "base": [{"overall": 0.4, "per_tag": {"counting": 0.25}}],
+        "flow_grpo": [
+            {"overall": 0.5, "per_tag": {"counting": 0.5, "colors": 1.0}},
+            {"overall": 0.7, "per_tag": {"counting": 0.75}},
+        ],
+        "tp_grpo": [],
+    }
+    table = geneval_table(evals)
+    assert table["flow_grpo"]["counting"] == Spread(0.625, 0.5, 0.75, 2)
+    assert table["flow_grpo"]["colors"] == Spread(1.0, 1.0, 1.0, 1)  # one seed has the tag
+    assert table["base"]["position"] is None
+    lines = geneval_markdown(table).splitlines()
+    assert lines[0] == (
+        "| policy | seeds | overall | single_object | two_object | counting | colors | position "
+        "| color_attr |"
+    )
+    assert lines[2] == "| base | 1 | **0.40** | — | — | 0.25 | — | — | — |"
+    assert (
+        lines[3]
+        == "| flow_grpo | 2 | **0.60 (0.50–0.70)** | — | — | 0.62 (0.50–0.75) | 1.00 | — | — |"
+    )
+    assert lines[4] == "| tp_grpo | 0 | — | — | — | — | — | — | — |"
+
+
+def advantage_rows() -> pd.DataFrame:
+    """Two trajectories x steps 0..2: |step reward| per step [0.2, 0.1, 0.1]; the advantage sign
+    differs from the final-reward advantage at step 1 only; turning points at step 2 of one."""
+    return pd.DataFrame(
+        {
+            "trajectory": [0, 0, 0, 1, 1, 1],
+            "step": [0, 1, 2, 0, 1, 2],
+            "step_reward": [0.3, -0.1, 0.0, 0.1, 0.1, -0.2],
+            "turning_point": [False, False, True, False, False, False],
+            "advantage": [1.0, -1.0, 0.5, -1.0, 1.0, -2.0],
+            "final_advantage": [1.0, 1.0, 1.0, -1.0, -1.0, -1.0],
+        }
+    )
+
+
+def test_credit_profile_per_step():
+    profile = credit_profile(advantage_rows())
+    assert profile.index.tolist() == [0, 1, 2]
+    assert profile.abs_signal.tolist() == pytest.approx([0.2, 0.1, 0.1])
+    assert profile.sign_differs.tolist() == [0.0, 1.0, 0.0]
+    assert profile.turning_point_rate.tolist() == [0.0, 0.0, 0.5]
+    assert early_late_ratio(profile) == pytest.approx(2.0)  # step 0 over step 2; 1 is the middle
+    assert early_late_ratio(profile.iloc[:1]) is None
+
+
+def estimates(trajectory_rewards: dict[int, tuple[list[float], float]]):
+    """Score table, keys and images of estimates at states 0..2 (estimator ode_substeps); every
+    image is filled with its key row's index / 10, so the row-to-image mapping is checkable."""
+    keys, scores = [], []
+    for trajectory, (rewards, final) in trajectory_rewards.items():
+        for step, reward in enumerate(rewards):
+            keys.append((trajectory, step, "ode_substeps"))
+            scores += [(trajectory, step, "ode_substeps", "mix", reward)]
+            scores += [(trajectory, step, "ode_substeps", "geneval", 1.0 - reward)]
+        scores.append((trajectory, 3, "final", "mix", final))
+    keys = pd.DataFrame(keys, columns=["trajectory", "step", "estimator"])
+    scores = pd.DataFrame(scores, columns=["trajectory", "step", "estimator", "reward", "value"])
+    images = torch.arange(len(keys), dtype=torch.float32).div(10)[:, None, None, None]
+    return keys, images.expand(-1, 3, 4, 4).contiguous(), scores
+
+
+def test_examples_rank_the_most_non_monotonic_first():
+    keys, images, scores = estimates(
+        {0: ([0.1, 0.2, 0.3], 0.4), 1: ([0.1, 0.5, 0.2], 0.6), 2: ([0.5, 0.4, 0.45], 0.45)}
+    )
+    examples = trajectory_examples(keys, images, scores, limit=2, prefix="stepwise-s0 · ")
+    assert [e.title for e in examples] == [
+        "stepwise-s0 · traj 1 · ode_substeps",  # up, down, up: 2 turns
+        "stepwise-s0 · traj 2 · ode_substeps",  # down, up, flat: 1 turn
+    ]
+    first = examples[0]
+    assert (first.steps, first.rewards, first.final_reward) == ([0, 1, 2], [0.1, 0.5, 0.2], 0.6)
+    assert (first.turns, first.excess_variation) == (2, pytest.approx(1.1 - 0.5))
+    assert first.images[:, 0, 0, 0].tolist() == pytest.approx([0.3, 0.4, 0.5])  # key rows 3..5
+
+
+def write_inputs(root, cfg):
+    """Two seeds of every method, GenEval of some policies, credit caches of stepwise-s0."""
+    for method, (rewards, seconds, nfe) in CURVES.items():
+        for seed, sign_flips in ((0, 0.2), (1, 0.4)):
+            rows = rounds_rows(rewards, seconds, nfe, **{
+                "credit/sign_differs_from_final": sign_flips,
+                "credit/turning_point_rate": 0.1 if method == "tp_grpo" else 0.0,
+            })  # fmt: skip
+            write_json(root / f"reports/train/{method}-s{seed}/rounds.json", rows)
+    for policy, overall in (("base", 0.4), ("flow_grpo-s0", 0.5), ("flow_grpo-s1", 0.7)):
+        write_json(root / f"reports/eval/{policy}/metrics.json",
+                   {"overall": overall, "per_tag": {"counting": overall}})  # fmt: skip
+    write_json(root / "reports/eval/stepwise-s0/metrics.json", {"overall": 0.8, "per_tag": {}})
+    run = layout.train_run(cfg, "stepwise", 0)
+    (run / "advantages").mkdir(parents=True)
+    advantage_rows().to_parquet(run / "advantages" / "round=0.parquet")
+    keys, images, scores = estimates({0: ([0.1, 0.5, 0.2], 0.6), 1: ([0.1, 0.2, 0.3], 0.4)})
+    write_scores(run / "rollouts", 1, scores)
+    write_estimate_images(run / "rollouts", 1, images, keys)
+
+
+def test_report_stage_writes_readme_and_figures(project):
+    cfg = load_config(project / "params.yaml")
+    write_inputs(project, cfg)
+    run_stage("report", cfg)
+    for name in FIGURES:
+        assert (project / "reports/figures" / name).stat().st_size > 1000
+    text = (project / "reports/README.md").read_text()
+    assert "| flow_grpo | 2 | **0.60 (0.50–0.70)** | — | — | 0.60 (0.50–0.70) |" in text
+    assert "| stepwise | 1 | **0.80** |" in text
+    assert "| tp_grpo | 0 | — |" in text
+    assert "- GenEval metrics of `stepwise-s1` (reports/eval/stepwise-s1)" in text
+    assert "- cached advantages of `tp_grpo` (data/train/tp_grpo-s*/advantages)" in text
+    # Cost: flow_grpo 10 s and 100 NFEs per round split 50/30/20; stepwise twice / thrice that.
+    assert "| flow_grpo | 5.00 | 3.00 | 2.00 | 10.00 | 1.00× | 50 | 30 | 20 | 100 | 1.00× |" in text
+    assert (
+        "| stepwise | 10.00 | 6.00 | 4.00 | 20.00 | 2.00× | 150 | 90 | 60 | 300 | 3.00× |" in text
+    )
+    # Credit: sign flips 0.2 / 0.4 over the seeds; |signal| early/late 0.2 / 0.1.
+    assert "| stepwise | 0.30 (0.20–0.40) | 0.00 (0.00–0.00) | 2.00 |" in text
+    assert "| tp_grpo | 0.30 (0.20–0.40) | 0.10 (0.10–0.10) | — |" in text
+    # Verdict, from the same numbers as the benchmark.
+    assert "stepwise 3 = 0.33× (target ≤ 0.33: met)" in text
+    assert "tp_grpo not reached in 12 rounds (target ≤ 0.33: not met)" in text
+    assert "stepwise 0.80, higher than flow_grpo (one seed)" in text
+    assert "**Early steps worth more?** stepwise yes (mean |step signal| of the first" in text
+    assert "in rounds **yes** (beyond seed spread), in wall-clock **yes**" in text
+    assert "[flow_grpo-s0](eval/flow_grpo-s0/samples.png)" not in text  # no grid written
+    # The stage's MLflow child run holds the README, the figures and the headline numbers.
+    client = mlflow.tracking.MlflowClient(tracking_uri(project))
+    experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
+    (run,) = client.search_runs([experiment], filter_string=f"tags.`{STAGE_TAG}` = 'report'")
+    assert run.data.metrics["report/geneval_overall/flow_grpo"] == pytest.approx(0.6)
+    assert run.data.metrics["report/final_reward/stepwise"] == pytest.approx(0.6)
+    logged = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
+    assert logged == {"README.md", *FIGURES}
+
+
+def test_report_with_nothing_to_report_still_writes_every_file(project):
+    report.fn(load_config(project / "params.yaml"))
+    for name in FIGURES:
+        assert (project / "reports/figures" / name).is_file()
+    text = (project / "reports/README.md").read_text()
+    assert "No GenEval metrics yet" in text
+    assert "No flow_grpo run" in text
+    assert "- training run `tp_grpo-s1` (no rounds.json)" in text
+
+
+def brightness(cfg):
+    return lambda images, metadata: images.float().mean(dim=(1, 2, 3))
+
+
+def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
+    """Real rounds.json, eval metrics, advantages and estimate images, as the stages write them."""
+    from pipeline.rewards import REWARDS
+    from stages.bench import bench
+    from stages.evaluate import evaluate
+    from stages.train import train
+
+    monkeypatch.setitem(REWARDS, "brightness", brightness)
+    monkeypatch.setattr("stages.bench.REPEATS", 1)
+    overrides = ["score.rewards={brightness: 1.0}", "train.seeds=[0]", "train.rounds=2"]
+    for method in ("flow_grpo", "stepwise", "tp_grpo"):
+        train.fn(load_config(tiny_project / "params.yaml", [*overrides, f"train.method={method}"]))
+    cfg = load_config(tiny_project / "params.yaml", overrides)
+    evaluate.fn(cfg, policy="base")
+    report.fn(cfg)
+    result = bench.fn(cfg)
+    text = (tiny_project / "reports/README.md").read_text()
+    assert "| base | 1 | **" in text and "[base](eval/base/samples.png)" in text
+    assert "- GenEval metrics of `stepwise-s0` (reports/eval/stepwise-s0)" in text
+    assert "**Rounds to flow_grpo's final reward" in text
+    for method in ("flow_grpo", "stepwise", "tp_grpo"):
+        assert f"| {method} | " in text.split("## Cost per round")[1]
+        assert f"cached advantages of `{method}`" not in text
+    assert "stored estimate images" not in text  # both step-wise methods kept some
+    assert all((tiny_project / "reports/figures" / name).stat().st_size > 1000 for name in FIGURES)
+    assert (tiny_project / "reports/benchmark.md").is_file()
+    assert result["methods"]["stepwise"]["rounds"] == 2
+    assert np.isfinite(result["rollout_efficiency"])
