@@ -217,6 +217,7 @@ class Config(Section):
     """All of `params.yaml`. `root` is the directory relative paths are resolved against."""
 
     root: Path = Path(".")
+    params_file: Path | None = None  # the file this config was read from
     world: WorldParams = WorldParams()
     prompts: PromptsParams = PromptsParams()
     model: ModelParams = ModelParams()
@@ -259,7 +260,7 @@ class Config(Section):
 
     def flat(self) -> dict[str, Any]:
         """Dotted-key view of every parameter, for logging to MLflow."""
-        return _flatten(self.model_dump(mode="json", exclude={"root"}))
+        return _flatten(self.model_dump(mode="json", exclude={"root", "params_file"}))
 
 
 def check_reward_mix(rewards: dict[str, float]) -> dict[str, float]:
@@ -323,6 +324,7 @@ def load_config(params: Path | str = "params.yaml", overrides: list[str] = ()) -
         raise ConfigError(f"params: {params.name} must be a mapping of sections")
     tree = apply_overrides(tree, list(overrides))
     tree["root"] = str(params.parent)
+    tree["params_file"] = str(params)
     return validate(tree)
 
 

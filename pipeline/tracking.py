@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from pipeline.config import Config
 
 EXPERIMENT = "creditflow"
-PIPELINE_TAG = "creditflow.pipeline"
+PIPELINE_TAG = "creditflow.pipeline"  # on every run of one pipeline run
+PARENT_TAG = "creditflow.parent"  # on the parent run alone
 STAGE_TAG = "creditflow.stage"
 
 
@@ -56,10 +57,15 @@ def tracking_uri(root: Path) -> str:
 
 
 def pipeline_key(cfg: Config) -> str:
-    """Identity of one pipeline run: params content + git commit (or the env override)."""
+    """Identity of one pipeline run: the params file's bytes + git commit (or the env override).
+
+    The file, not the validated config: a stage's own `-S` overrides (the method and seed of a
+    training run) must not split one `dvc repro` into several parents.
+    """
     if key := os.environ.get("CREDITFLOW_PIPELINE_RUN"):
         return key
-    digest = hashlib.sha256(cfg.model_dump_json(exclude={"root"}).encode())
+    source = cfg.params_file.read_bytes() if cfg.params_file else cfg.model_dump_json().encode()
+    digest = hashlib.sha256(source)
     digest.update(_git_head(cfg.root).encode())
     return digest.hexdigest()[:12]
 
@@ -91,11 +97,12 @@ def _parent_run_id(cfg: Config, experiment_id: str) -> str:
     client = MlflowClient()
     key = pipeline_key(cfg)
     found = client.search_runs(
-        [experiment_id], filter_string=f"tags.`{PIPELINE_TAG}` = '{key}'", max_results=1
+        [experiment_id], filter_string=f"tags.`{PARENT_TAG}` = '{key}'", max_results=1
     )
     if found:
         return found[0].info.run_id
-    run = client.create_run(experiment_id, run_name=f"pipeline-{key}", tags={PIPELINE_TAG: key})
+    tags = {PARENT_TAG: key, PIPELINE_TAG: key}
+    run = client.create_run(experiment_id, run_name=f"pipeline-{key}", tags=tags)
     client.log_batch(run.info.run_id, params=_params(cfg.flat()))
     client.set_terminated(run.info.run_id)
     return run.info.run_id
