@@ -1,0 +1,409 @@
+"""Pretraining of the embedded ShapesWorld base policy (``pipeline.models.ShapesBackend``).
+
+Two phases, both on ShapesWorld renders drawn on the fly from random training metadata:
+
+1. autoencoder (skipped in pixel space): a tiny ``AutoencoderKL`` learns to reconstruct renders
+   with an L1 + MSE loss in which object pixels weigh ``ae_object_weight`` times the background
+   (flat colour areas are small at 32x32; unweighted losses learn the background first and wash
+   object colours out), plus a small KL term (SD's VAE recipe, Rombach et al. 2022, sec. 3);
+   then its scale/shift are set so that the flow's x0 has zero mean and unit std.
+2. flow: rectified flow (Liu et al. 2022; SD3, Esser et al. 2024, eq. 1-3 and sec. 3.1):
+   x_t = (1 - t) x0 + t eps, target v = eps - x0, loss ||v_theta(x_t, t, c) - v||^2 (mean over
+   elements), t ~ logit-normal(t_mean, t_std) (SD3 eq. 19), captions dropped to "" with
+   probability ``caption_dropout`` for classifier-free guidance (Ho & Salimans 2022). The text
+   encoder trains jointly with the denoiser; AdamW with linear warmup then cosine decay; the saved
+   weights are an exponential moving average of the training weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.models import ShapesBackend, ShapesConfig, vocabulary
+
+RenderBatch = Callable[[list[dict], np.random.Generator, int], torch.Tensor]
+HISTORY_FILE = "pretrain_history.json"
+
+
+def logit_normal_t(batch_size: int, mean: float, std: float, generator: torch.Generator):
+    """t = sigmoid(u), u ~ N(mean, std^2) (SD3 eq. 19): (B,) fp32 in (0, 1)."""
+    u = torch.randn(batch_size, generator=generator) * std + mean
+    return torch.sigmoid(u)
+
+
+def flow_matching_loss(
+    backend: ShapesBackend,
+    x0: torch.Tensor,
+    input_ids: torch.Tensor,
+    t: torch.Tensor,
+    noise: torch.Tensor,
+) -> torch.Tensor:
+    """Rectified-flow loss mean((v_theta(x_t, t, c) - (eps - x0))^2), differentiable in the
+    denoiser and the text encoder.
+
+    x0, noise: (B, C, H, W) fp32; input_ids: (B, L) token ids; t: (B,) in (0, 1).
+    """
+    t_ = t.view(-1, 1, 1, 1)
+    x_t = (1.0 - t_) * x0 + t_ * noise
+    embeds = backend.embed_tokens(input_ids)
+    v = backend._forward(x_t, t, embeds)
+    return (v - (noise - x0)).pow(2).mean()
+
+
+def autoencoder_loss(
+    backend: ShapesBackend, images: torch.Tensor, *, object_weight: float, kl_weight: float
+) -> torch.Tensor:
+    """Weighted L1 + MSE reconstruction + kl_weight * KL for a batch of renders (B, 3, H, W).
+
+    Object pixels (those differing from the image's corner colour, the background) weigh
+    ``object_weight``, background pixels 1; the weights are normalised to mean 1 per image.
+    """
+    vae = backend.autoencoder
+    pixels = 2.0 * images - 1.0
+    posterior = vae.encode(pixels).latent_dist
+    recon = vae.decode(posterior.sample()).sample
+    background = pixels[:, :, :1, :1]  # (B, 3, 1, 1) corner colour
+    is_object = ((pixels - background).abs().amax(dim=1, keepdim=True) > 0.05).float()
+    weight = 1.0 + (object_weight - 1.0) * is_object  # (B, 1, H, W)
+    weight = weight / weight.mean(dim=(2, 3), keepdim=True)
+    err = recon - pixels
+    recon_loss = (weight * (err.abs() + err.pow(2))).mean()
+    return recon_loss + kl_weight * posterior.kl().mean()
+
+
+def lr_factor(step: int, warmup: int, total: int | None = None, min_factor: float = 0.1) -> float:
+    """Linear warmup over ``warmup`` steps; then constant, or with ``total`` a cosine decay to
+    ``min_factor`` at step ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if total is None:
+        return 1.0
+    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class EMA:
+    """Exponential moving average of parameters, decay min(decay, (1 + n) / (10 + n)) at update n
+    (the warmup keeps early averages from being dominated by the random init)."""
+
+    def __init__(self, modules: list[torch.nn.Module], decay: float):
+        self.params = [p for m in modules for p in m.parameters()]
+        self.shadow = [p.detach().clone() for p in self.params]
+        self.decay = decay
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in self.params], 1.0 - decay)
+
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        torch._foreach_copy_(self.params, self.shadow)
+
+    @contextmanager
+    def applied(self) -> Iterator[None]:
+        """The averaged weights in the model inside the block, the training weights after it."""
+        training = [p.detach().clone() for p in self.params]
+        self.copy_to_model()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.params, training)
+
+
+def _default_render() -> RenderBatch:
+    from pipeline.world import render_batch
+
+    return render_batch
+
+
+def _world_prompts() -> list[str]:
+    """Every prompt of the default world, so that the vocabulary covers held-out prompts."""
+    from pipeline.world import TAGS, prompt_pool
+
+    return [m["prompt"] for tag in TAGS for m in prompt_pool(tag)]
+
+
+def _batches(
+    prompts: list[dict], batch_size: int, rng: np.random.Generator
+) -> Callable[[], list[dict]]:
+    """Metadata batches drawn tag-balanced from ``prompts``, either object order (the world's
+    ``sample_metadata``): the train split is mostly color_attr lines, a uniform draw over lines
+    would starve single_object and counting."""
+    from pipeline.world import sample_metadata
+
+    def draw() -> list[dict]:
+        return sample_metadata(rng, batch_size, pool=prompts)
+
+    return draw
+
+
+def train_autoencoder(
+    backend: ShapesBackend,
+    draw_metas: Callable[[], list[dict]],
+    render: Callable[[list[dict]], torch.Tensor],
+    *,
+    steps: int,
+    lr: float,
+    object_weight: float,
+    kl_weight: float,
+    progress: bool,
+) -> list[float]:
+    """Phase 1: train the autoencoder, then fit its scale/shift to unit-variance latents.
+
+    Returns the loss per step.
+    """
+    vae = backend.autoencoder
+    vae.train()
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    bar = tqdm(range(steps), desc="autoencoder", disable=not progress, mininterval=2.0)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(step, max(steps // 20, 1), steps)
+        loss = autoencoder_loss(
+            backend, render(draw_metas()), object_weight=object_weight, kl_weight=kl_weight
+        )
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+    vae.eval()
+    vae.requires_grad_(False)
+    with torch.no_grad():
+        z = torch.cat(
+            [vae.encode(2 * render(draw_metas()) - 1).latent_dist.mode() for _ in range(4)]
+        )
+    # SD3's convention: x0 = (z - shift) * scale.
+    vae.register_to_config(shift_factor=z.mean().item(), scaling_factor=1.0 / z.std().item())
+    return losses
+
+
+def pretrain_base(
+    out_dir: str | Path,
+    *,
+    prompts: list[dict],
+    steps: int = 4000,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    warmup: int = 200,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    ema_decay: float = 0.999,
+    caption_dropout: float = 0.1,
+    t_mean: float = 0.0,
+    t_std: float = 1.0,
+    seed: int = 0,
+    image_size: int = 32,
+    latent_channels: int = 4,
+    ae_channels: tuple[int, ...] = (16, 32),
+    ae_steps: int = 1500,
+    ae_lr: float = 2e-3,
+    ae_batch_size: int = 32,
+    ae_object_weight: float = 4.0,
+    ae_kl_weight: float = 1e-6,
+    patch_size: int = 2,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    head_dim: int = 32,
+    text_dim: int = 64,
+    text_layers: int = 2,
+    text_heads: int = 2,
+    max_length: int = 12,
+    snapshot_every: int = 0,
+    snapshot_dir: str | Path | None = None,
+    progress: bool = True,
+    render_batch: RenderBatch | None = None,
+) -> dict:
+    """Train the embedded base policy on ``prompts`` (training metadata) and save it to out_dir.
+
+    Images are rendered on the fly by ``render_batch(metas, rng, image_size)`` (default
+    ``pipeline.world.render_batch``) from metadata drawn tag-balanced from ``prompts``.
+    Flow phase: ``steps`` AdamW steps of ``batch_size``, lr warmed up linearly over ``warmup``
+    steps then constant, EMA of the weights with ``ema_decay``; logit-normal t (t_mean, t_std).
+    Autoencoder phase: ae_* (skipped with ``latent_channels=0``: pixel space). Model dims as in
+    ``ShapesConfig``. With ``snapshot_every`` > 0 the EMA model is also saved every that many
+    flow steps to ``snapshot_dir/step-NNNNNN``; as the lr is constant after warmup, the snapshot
+    at step n equals the result of a run with ``steps=n``. Deterministic for a seed on CPU.
+
+    Writes ``save_pretrained`` files (EMA weights) and ``pretrain_history.json`` into out_dir;
+    returns that history: {"flow_loss": [...], "ae_loss": [...], "seconds": {...},
+    "cpu_seconds": {...}, "config": {...}, "params": {...}, "num_parameters": {...}}.
+    """
+    arguments = {k: v for k, v in locals().items() if k not in {"prompts", "render_batch"}}
+    arguments.update(out_dir=str(out_dir), snapshot_dir=snapshot_dir and str(snapshot_dir))
+    render_batch = render_batch or _default_render()
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    noise_gen = torch.Generator().manual_seed(seed + 1)
+
+    config = ShapesConfig(
+        image_size=image_size,
+        latent_channels=latent_channels,
+        ae_channels=tuple(ae_channels),
+        patch_size=patch_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        text_dim=text_dim,
+        text_layers=text_layers,
+        text_heads=text_heads,
+        max_length=max_length,
+        vocab=vocabulary([m["prompt"] for m in prompts] + _world_prompts()),
+    )
+    backend = ShapesBackend.from_config(config, seed=seed)
+    history = {
+        "flow_loss": [],
+        "ae_loss": [],
+        "seconds": {},
+        "cpu_seconds": {},
+        "params": arguments,
+        "num_parameters": {
+            name: sum(p.numel() for p in module.parameters())
+            for name, module in backend.modules.items()
+        },
+    }
+
+    def render(metas: list[dict]) -> torch.Tensor:
+        return render_batch(metas, rng, image_size).float()
+
+    clock = _Clock(history)
+    if backend.autoencoder is not None:
+        history["ae_loss"] = train_autoencoder(
+            backend,
+            _batches(prompts, ae_batch_size, rng),
+            render,
+            steps=ae_steps,
+            lr=ae_lr,
+            object_weight=ae_object_weight,
+            kl_weight=ae_kl_weight,
+            progress=progress,
+        )
+    clock.lap("autoencoder")
+
+    def snapshot(step: int) -> None:
+        history["flow_loss"] = flow_losses[:step]
+        clock.lap("flow")
+        _save(backend, Path(snapshot_dir) / f"step-{step:06d}", history)
+
+    if snapshot_every and snapshot_dir is None:
+        raise ValueError("snapshot_every > 0 needs a snapshot_dir")
+    flow_losses: list[float] = []
+    _train_flow(
+        backend,
+        _batches(prompts, batch_size, rng),
+        render,
+        noise_gen,
+        flow_losses,
+        steps=steps,
+        lr=lr,
+        warmup=warmup,
+        weight_decay=weight_decay,
+        grad_clip=grad_clip,
+        ema_decay=ema_decay,
+        caption_dropout=caption_dropout,
+        t_mean=t_mean,
+        t_std=t_std,
+        snapshot_every=snapshot_every,
+        snapshot=snapshot,
+        progress=progress,
+    )
+    history["flow_loss"] = flow_losses
+    clock.lap("flow")
+    _save(backend, Path(out_dir), history)
+    return history
+
+
+class _Clock:
+    """Wall and process CPU seconds per phase, accumulated into history["seconds"/"cpu_seconds"]
+    (CPU seconds tell the cost on a machine shared with other jobs, where wall time does not)."""
+
+    def __init__(self, history: dict):
+        self.history = history
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self, phase: str) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for key, elapsed in (("seconds", wall - self.wall), ("cpu_seconds", cpu - self.cpu)):
+            self.history[key][phase] = self.history[key].get(phase, 0.0) + elapsed
+        self.wall, self.cpu = wall, cpu
+
+
+def _save(backend: ShapesBackend, directory: Path, history: dict) -> None:
+    """save_pretrained + the history (with the saved config) as pretrain_history.json."""
+    backend.save_pretrained(directory)
+    history["config"] = json.loads((directory / "backend.json").read_text())
+    (directory / HISTORY_FILE).write_text(json.dumps(history) + "\n")
+
+
+def _train_flow(
+    backend: ShapesBackend,
+    draw_metas: Callable[[], list[dict]],
+    render: Callable[[list[dict]], torch.Tensor],
+    noise_gen: torch.Generator,
+    losses: list[float],
+    *,
+    steps: int,
+    lr: float,
+    warmup: int,
+    weight_decay: float,
+    grad_clip: float,
+    ema_decay: float,
+    caption_dropout: float,
+    t_mean: float,
+    t_std: float,
+    snapshot_every: int,
+    snapshot: Callable[[int], None],
+    progress: bool,
+) -> None:
+    """Phase 2: rectified-flow training of transformer + text encoder, appending each step's loss
+    to ``losses``; ``snapshot(step)`` is called with the EMA weights in place every
+    ``snapshot_every`` steps; the EMA weights stay in the modules at the end (eval mode)."""
+    trained = [backend.transformer, backend.text_encoder]
+    for module in trained:
+        module.train()
+    params = [p for m in trained for p in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+    ema = EMA(trained, ema_decay)
+    bar = tqdm(range(steps), desc="flow", disable=not progress, mininterval=2.0)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(step, warmup)
+        metas = draw_metas()
+        with torch.no_grad():
+            x0 = backend.encode(render(metas))  # (B, C, h, w)
+        drop = torch.rand(len(metas), generator=noise_gen) < caption_dropout
+        captions = ["" if d else m["prompt"] for m, d in zip(metas, drop.tolist(), strict=True)]
+        t = logit_normal_t(len(metas), t_mean, t_std, noise_gen)
+        noise = torch.randn(x0.shape, generator=noise_gen)
+        loss = flow_matching_loss(backend, x0, backend.tokenize(captions), t, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        ema.update()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
+        if snapshot_every and (step + 1) % snapshot_every == 0 and step + 1 < steps:
+            with ema.applied():
+                backend.eval()
+                snapshot(step + 1)
+                backend.clear_cache()
+            for module in trained:
+                module.train()
+    ema.copy_to_model()
+    backend.eval()
+    backend.clear_cache()

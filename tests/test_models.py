@@ -1,0 +1,243 @@
+"""The embedded ShapesWorld backend and its pretraining: interface contracts and invariants."""
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.models import (
+    LORA_TARGET_MODULES,
+    PromptEmbeds,
+    ShapesBackend,
+    ShapesConfig,
+    build_tokenizer,
+    vocabulary,
+)
+from pipeline.pretrain import EMA, flow_matching_loss, logit_normal_t, lr_factor, pretrain_base
+from pipeline.world import make_prompts
+
+PROMPTS = [
+    "a photo of a red circle",
+    "a photo of three squares",
+    "a photo of a triangle left of a circle",
+]
+TINY = dict(
+    image_size=16,
+    ae_channels=(8, 8),
+    num_layers=2,  # the last MMDiT block has no to_add_out; two blocks carry every target
+    num_heads=2,
+    head_dim=8,
+    text_dim=16,
+    text_layers=1,
+    text_heads=2,
+    max_length=12,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run fastest on one thread, and far faster on a loaded machine (no spinning)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_backend(latent_channels: int = 4, seed: int = 0) -> ShapesBackend:
+    config = ShapesConfig(
+        latent_channels=latent_channels,
+        patch_size=2 if latent_channels else 4,
+        vocab=vocabulary(PROMPTS),
+        **TINY,
+    )
+    return ShapesBackend.from_config(config, seed=seed).eval()
+
+
+def perturb_(module: torch.nn.Module, seed: int = 1) -> None:
+    """Random weights everywhere: SD3's AdaLN-zero init makes a fresh transformer output 0."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def test_tokenizer_ids_padding_and_unknown_words():
+    tok = build_tokenizer(["a", "circle", "red"], max_length=6)
+    ids = tok(["A red CIRCLE", "a blue circle"], padding="max_length", max_length=6).input_ids
+    # [PAD]=0, [UNK]=1, [BOS]=2, [EOS]=3, then the vocabulary in order: a=4, circle=5, red=6.
+    assert ids == [[2, 4, 6, 5, 3, 0], [2, 4, 1, 5, 3, 0]]
+
+
+def test_latent_shape_and_lora_targets_exist_in_transformer():
+    backend = tiny_backend()
+    assert backend.latent_shape == (4, 8, 8)
+    assert tiny_backend(latent_channels=0).latent_shape == (3, 16, 16)
+    names = {n for n, _ in backend.transformer.named_modules()}
+    for target in LORA_TARGET_MODULES:
+        assert any(n.endswith(target) for n in names), target
+
+
+def test_pooled_is_projected_eos_state():
+    backend = tiny_backend()
+    ids = backend.tokenize(PROMPTS)
+    embeds = backend.encode_prompts(PROMPTS)
+    eos = (ids == backend.tokenizer.eos_token_id).int().argmax(dim=1)  # (B,)
+    hidden_at_eos = embeds.hidden[torch.arange(len(PROMPTS)), eos]  # (B, D)
+    with torch.no_grad():
+        expected = backend.text_encoder.text_projection(hidden_at_eos)
+    torch.testing.assert_close(embeds.pooled, expected)
+
+
+def test_encode_prompts_caches_and_keeps_order():
+    backend = tiny_backend()
+    calls = []
+    backend.text_encoder.register_forward_hook(lambda *args: calls.append(1))
+    first = backend.encode_prompts(PROMPTS)
+    again = backend.encode_prompts([PROMPTS[2], PROMPTS[0], PROMPTS[2]])
+    assert len(calls) == 1
+    torch.testing.assert_close(again.hidden, first.hidden[[2, 0, 2]], rtol=0, atol=0)
+    assert first.hidden.dtype == first.pooled.dtype == torch.float32
+    assert first.hidden.shape == (3, 12, 16) and first.pooled.shape == (3, 16)
+    backend.encode_prompts([""])
+    assert len(calls) == 2
+
+
+def test_prompt_embeds_rows():
+    embeds = PromptEmbeds(torch.arange(6.0).view(3, 2, 1), torch.arange(3.0).view(3, 1))
+    assert len(embeds[1]) == 1 and embeds[1].pooled.item() == 1.0
+    assert embeds.repeat_interleave(2).pooled.flatten().tolist() == [0, 0, 1, 1, 2, 2]
+    assert embeds[torch.tensor([2, 0])].pooled.flatten().tolist() == [2, 0]
+    assert len(embeds[:1].expand(4)) == 4
+    with pytest.raises(ValueError, match="single row"):
+        embeds.expand(4)
+
+
+def test_velocity_shape_dtype_and_scalar_sigma():
+    backend = tiny_backend()
+    x = torch.randn(3, *backend.latent_shape)
+    v = backend.velocity(x, torch.full((3,), 0.5), backend.encode_prompts(PROMPTS), guidance=4.5)
+    assert v.shape == x.shape and v.dtype == torch.float32
+    v_scalar = backend.velocity(x, 0.5, backend.encode_prompts(PROMPTS), guidance=4.5)
+    torch.testing.assert_close(v, v_scalar)
+
+
+def test_guidance_combines_cond_and_uncond_branches():
+    backend = tiny_backend()
+    perturb_(backend.transformer)
+    x, sigma = torch.randn(3, *backend.latent_shape), torch.tensor([0.9, 0.5, 0.1])
+    cond, uncond = backend.encode_prompts(PROMPTS), backend.encode_prompts([""] * 3)
+    with torch.no_grad():
+        v_cond = backend.velocity(x, sigma, cond, guidance=1.0)
+        v_uncond = backend.velocity(x, sigma, uncond, guidance=1.0)
+        v_guided = backend.velocity(x, sigma, cond, guidance=4.5)
+        v_one = backend.velocity(x, sigma, cond, guidance=1.0, uncond=uncond)
+    assert not torch.allclose(v_cond, v_uncond)
+    torch.testing.assert_close(v_one, v_cond, rtol=0, atol=0)
+    torch.testing.assert_close(v_guided, v_uncond + 4.5 * (v_cond - v_uncond), rtol=1e-5, atol=1e-5)
+
+
+def test_save_load_round_trip_gives_identical_outputs(tmp_path):
+    backend = tiny_backend()
+    perturb_(backend.transformer)
+    backend.save_pretrained(tmp_path)
+    loaded = ShapesBackend.from_pretrained(tmp_path)
+    x, sigma = torch.randn(2, *backend.latent_shape), torch.tensor([0.7, 0.2])
+
+    def outputs(b: ShapesBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            v = b.velocity(x, sigma, b.encode_prompts(PROMPTS[:2]), guidance=3.0)
+            return v, b.decode(x)
+
+    for got, want in zip(outputs(loaded), outputs(backend), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert loaded.config == backend.config
+
+
+def test_decode_range_and_pixel_space_inverse():
+    pixel = tiny_backend(latent_channels=0)
+    images = torch.rand(2, 3, 16, 16)
+    torch.testing.assert_close(pixel.decode(pixel.encode(images)), images)
+    latent = tiny_backend()
+    with torch.no_grad():
+        decoded = latent.decode(3 * torch.randn(2, *latent.latent_shape))
+    assert decoded.shape == (2, 3, 16, 16) and 0 <= decoded.min() and decoded.max() <= 1
+
+
+def test_loss_decreases_on_a_fixed_batch():
+    torch.manual_seed(0)
+    backend = tiny_backend(latent_channels=0)
+    backend.transformer.train()
+    params = [*backend.transformer.parameters(), *backend.text_encoder.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.rand(3, *backend.latent_shape, generator=gen) * 2 - 1
+    noise = torch.randn(x0.shape, generator=gen)
+    t = logit_normal_t(3, 0.0, 1.0, gen)
+    ids = backend.tokenize(PROMPTS)
+    losses = []
+    for _ in range(30):
+        loss = flow_matching_loss(backend, x0, ids, t, noise)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.75 * losses[0]
+
+
+def test_lr_schedule_and_logit_normal_t():
+    assert lr_factor(0, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(5000, 10) == 1.0  # constant after warmup without a total
+    assert lr_factor(10, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100) == pytest.approx(0.55)  # cosine half way: (1 + 0.1) / 2
+    assert lr_factor(100, 10, 100) == pytest.approx(0.1)  # cosine floor
+    t = logit_normal_t(20000, 0.5, 1.0, torch.Generator().manual_seed(0))
+    assert 0 < t.min() and t.max() < 1
+    assert t.median().item() == pytest.approx(torch.sigmoid(torch.tensor(0.5)).item(), abs=0.01)
+
+
+def test_ema_tracks_parameters_with_warmup():
+    layer = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.fill_(0.0)
+    ema = EMA([layer], decay=0.9)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+    ema.update()  # decay min(0.9, 2/11)
+    ema.copy_to_model()
+    assert layer.weight.item() == pytest.approx(1 - 2 / 11)
+
+
+def assert_same_weights(dir_a, dir_b):
+    a, b = ShapesBackend.from_pretrained(dir_a), ShapesBackend.from_pretrained(dir_b)
+    for module_a, module_b in zip(a.modules.values(), b.modules.values(), strict=True):
+        for pa, pb in zip(module_a.parameters(), module_b.parameters(), strict=True):
+            assert torch.equal(pa, pb)
+    return a
+
+
+def test_pretrain_is_deterministic_and_snapshots_equal_shorter_runs(tmp_path):
+    train, _ = make_prompts(24, 6, seed=0)
+    kwargs = dict(
+        prompts=train,
+        batch_size=4,
+        warmup=2,
+        ae_steps=3,
+        ae_batch_size=4,
+        seed=3,
+        progress=False,
+        # The world needs 32 px to place four objects; three AE levels keep the latent at 8x8.
+        **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
+    )
+    first = pretrain_base(
+        tmp_path / "a", steps=4, snapshot_every=2, snapshot_dir=tmp_path / "snap", **kwargs
+    )
+    second = pretrain_base(tmp_path / "b", steps=4, **kwargs)
+    short = pretrain_base(tmp_path / "c", steps=2, **kwargs)
+    assert first["flow_loss"] == second["flow_loss"] and len(first["flow_loss"]) == 4
+    assert first["ae_loss"] == second["ae_loss"] and all(np.isfinite(first["flow_loss"]))
+    assert short["flow_loss"] == first["flow_loss"][:2]
+    model = assert_same_weights(tmp_path / "a", tmp_path / "b")
+    assert_same_weights(tmp_path / "c", tmp_path / "snap" / "step-000002")
+    # The vocabulary covers the whole world, held-out prompts included.
+    assert "triangle" in model.config.vocab and "four" in model.config.vocab

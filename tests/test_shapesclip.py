@@ -1,0 +1,152 @@
+"""ShapesCLIP: tokenizer, loss math, batches, tiny training and save/load."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import shapesclip as sc
+from pipeline import world
+from pipeline.geneval import TAGS, evaluate
+
+TINY = {
+    "text_kwargs": {"hidden": 16, "layers": 1, "heads": 2, "embed_dim": 8},
+    "image_kwargs": {"width": 4, "hidden": 8},
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return sc.build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("clip") / "shapesclip"
+    metrics = sc.train_shapesclip(
+        out, steps=3, batch_size=8, negatives=1, warmup=1, progress=False, **TINY
+    )
+    return out, metrics
+
+
+def test_tokenizer_wraps_words_and_fits_every_prompt(tokenizer):
+    ids = tokenizer("a photo of an orange Triangle")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
+    assert len(ids) == 8 and tokenizer.unk_token_id not in ids
+    assert tokenizer("a photo of a hexagon")["input_ids"][-2] == tokenizer.unk_token_id
+    longest = max(
+        (m["prompt"] for tag in TAGS for m in world.prompt_pool(tag, shapes=world.SHAPE_NAMES)),
+        key=lambda p: len(p.split()),
+    )
+    assert len(tokenizer(longest)["input_ids"]) <= sc.MAX_TOKENS
+
+
+def test_contrastive_loss_reduces_to_clip_loss_with_far_negatives():
+    gen = torch.Generator().manual_seed(0)
+    unit = lambda *s: torch.nn.functional.normalize(torch.randn(*s, generator=gen), dim=-1)  # noqa: E731
+    text, images = unit(5, 8), unit(5, 8)
+    very_far = -text[:, None, :]  # negatives with cosine -1 add ~nothing to the softmax at scale 50
+    scale = torch.tensor(50.0)
+    loss, accuracy = sc.contrastive_loss(text, images, very_far, torch.eye(5), scale)
+    logits = scale * text @ images.T
+    labels = torch.arange(5)
+    clip = 0.5 * (
+        torch.nn.functional.cross_entropy(logits, labels)
+        + torch.nn.functional.cross_entropy(logits.T, labels)
+    )
+    assert loss.item() == pytest.approx(clip.item(), abs=1e-6)
+    assert accuracy.item() == 1.0
+
+
+def test_contrastive_loss_multi_positive_and_hard_negative_accuracy():
+    text = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    images = torch.tensor([[1.0, 0.0], [1.0, 0.0]])  # both renders look like caption 0
+    negatives = torch.tensor([[[0.0, 1.0]], [[0.0, 1.0]]])  # (B=2, K=1, D=2)
+    matches = torch.tensor([[1.0, 1.0], [0.0, 1.0]])  # render 1 satisfies both captions
+    loss, accuracy = sc.contrastive_loss(text, images, negatives, matches, torch.tensor(1.0))
+    # caption 0: logits (1, 1, 0), target (1/2, 1/2, 0); caption 1: logits (0, 0, 1), target
+    # (0, 1, 0); render 0: logits (1, 0), target (1, 0); render 1: logits (1, 0), target (1/2, 1/2)
+    t2i = ((np.log(2 * np.e + 1) - 1) + np.log(2 + np.e)) / 2
+    i2t = (np.log(np.e + 1) - 1 + np.log(np.e + 1) - 0.5) / 2
+    # own render vs own negative: caption 0 logits (1, 0), caption 1 logits (0, 1), target 0
+    hard = (np.log(np.e + 1) - 1 + np.log(np.e + 1)) / 2
+    assert loss.item() == pytest.approx(0.5 * (t2i + i2t) + hard, abs=1e-6)
+    assert accuracy.item() == 0.5  # caption 0 beats its negative, caption 1 does not
+
+
+def test_make_batch_shapes_and_matches():
+    prompts, pos, neg, matches = sc.make_batch(np.random.default_rng(0), 12, 2)
+    assert len(prompts) == 12 and pos.shape == (12, 3, 32, 32) and neg.shape == (12, 2, 3, 32, 32)
+    assert matches.shape == (12, 12) and torch.all(matches.diagonal() == 1)
+    assert set(matches.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_scene_detections_find_the_named_color_among_many():
+    objects = [
+        {"class": "circle", "color": "blue", "box": (0, 0, 4, 4)},
+        {"class": "circle", "color": "red", "box": (10, 0, 14, 4)},
+    ]
+    red = {"include": [{"class": "circle", "count": 1, "color": "red"}]}
+    assert evaluate(red, sc._scene_detections(objects, red))[0]
+    green = {"include": [{"class": "circle", "count": 1, "color": "green"}]}
+    assert not evaluate(green, sc._scene_detections(objects, green))[0]
+
+
+def test_tiny_training_writes_a_loadable_model(tiny_dir):
+    out, metrics = tiny_dir
+    assert np.isfinite(metrics["loss"]) and 0.0 <= metrics["hard_negative_accuracy"] <= 1.0
+    assert json.loads((out / "train_metrics.json").read_text()) == metrics
+    assert not out.with_name(out.name + ".tmp").exists()
+    model = sc.load_shapesclip(out)
+    assert not model.training
+    assert model.text_model.config.hidden_size == 16
+    assert model.image_encoder.config == {"width": 4, "hidden": 8, "embed_dim": 8}
+
+
+def test_save_load_round_trip_scores_identical(tiny_dir, tmp_path):
+    model = sc.load_shapesclip(tiny_dir[0])
+    metas = world.sample_metadata(np.random.default_rng(0), 6)
+    images = world.render_batch(metas, np.random.default_rng(1))
+    prompts = [m["prompt"] for m in metas]
+    with torch.no_grad():
+        before = model.score(images, prompts)
+        model.save(tmp_path / "copy")
+        after = sc.load_shapesclip(tmp_path / "copy").score(images, prompts)
+    assert torch.equal(before, after)
+
+
+def test_score_shape_range_and_chunking(tiny_dir):
+    model = sc.load_shapesclip(tiny_dir[0])
+    metas = world.sample_metadata(np.random.default_rng(2), 7)
+    images = world.render_batch(metas, np.random.default_rng(3))
+    prompts = [m["prompt"] for m in metas]
+    with torch.no_grad():
+        scores = model.score(images, prompts)
+        chunked = model.score(images, prompts, chunk=3)
+    assert scores.shape == (7,) and scores.dtype == torch.float32
+    assert torch.all(scores.abs() <= model.scale + 1e-4)
+    assert torch.allclose(scores, chunked, atol=1e-5)
+    with pytest.raises(ValueError, match="7 images but 6 prompts"):
+        model.score(images, prompts[:6])
+
+
+def test_training_is_deterministic(tiny_dir, tmp_path):
+    again = sc.train_shapesclip(
+        tmp_path / "again", steps=3, batch_size=8, negatives=1, warmup=1, progress=False, **TINY
+    )
+    assert again["loss"] == tiny_dir[1]["loss"]
+
+
+def test_image_encoder_sees_position():
+    """Coordinate channels: a shape moved across the canvas changes the embedding even though
+    the pooled conv features alone would be translation invariant."""
+    torch.manual_seed(0)
+    encoder = sc.ImageEncoder(width=4, hidden=8, embed_dim=8)
+    image = torch.full((1, 3, 32, 32), 0.5)
+    left, right = image.clone(), image.clone()
+    left[..., 10:16, 4:10] = 1.0
+    right[..., 10:16, 20:26] = 1.0
+    with torch.no_grad():
+        assert not torch.allclose(encoder(left), encoder(right), atol=1e-4)
+        assert encoder(torch.cat([left, right])).shape == (2, 8)
