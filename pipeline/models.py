@@ -228,7 +228,44 @@ def build_autoencoder(config: ShapesConfig) -> AutoencoderKL | None:
     )
 
 
-class ShapesBackend:
+class GuidedVelocity:
+    """Classifier-free-guided velocity for any backend with `encode_prompts` and `_forward`.
+
+    `_forward(x (B, C, H, W), sigma (B,), embeds) -> v (B, C, H, W) fp32` is one denoiser call;
+    ShapesWorld's and SD3's backends share this guidance step.
+    """
+
+    def velocity(
+        self,
+        x: torch.Tensor,
+        sigma: torch.Tensor,
+        embeds: PromptEmbeds,
+        *,
+        guidance: float,
+        uncond: PromptEmbeds | None = None,
+    ) -> torch.Tensor:
+        """Guided velocity v = v_u + w (v_c - v_u) (Ho & Salimans 2022, eq. 6, in v-space).
+
+        x: (B, C, H, W) state at noise level sigma (B,) in [0, 1]; embeds: B rows; uncond: 1 or B
+        rows, default the "" prompt. With ``guidance == 1`` only the conditional branch runs;
+        otherwise both branches run in one forward of batch 2B. Returns v (B, C, H, W) fp32.
+        """
+        batch = x.shape[0]
+        sigma = torch.as_tensor(sigma, dtype=torch.float32).expand(batch)
+        if guidance == 1.0:
+            return self._forward(x, sigma, embeds)
+        if uncond is None:
+            uncond = self.encode_prompts([""])
+        if len(uncond) == 1:
+            uncond = uncond.expand(batch)
+        both = self._forward(
+            torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([embeds, uncond])
+        )  # (2B, C, H, W)
+        v_cond, v_uncond = both.chunk(2)
+        return v_uncond + guidance * (v_cond - v_uncond)
+
+
+class ShapesBackend(GuidedVelocity):
     """The embedded ShapesWorld text-to-image flow model (see the module docstring).
 
     Attributes: tokenizer, text_encoder (CLIPTextModelWithProjection), transformer
@@ -316,35 +353,6 @@ class ShapesBackend:
         self._embed_cache.clear()
 
     # ---- denoiser ---------------------------------------------------------------------------
-    def velocity(
-        self,
-        x: torch.Tensor,
-        sigma: torch.Tensor,
-        embeds: PromptEmbeds,
-        *,
-        guidance: float,
-        uncond: PromptEmbeds | None = None,
-    ) -> torch.Tensor:
-        """Guided velocity v = v_u + w (v_c - v_u) (Ho & Salimans 2022, eq. 6, in v-space).
-
-        x: (B, C, H, W) state at noise level sigma (B,) in [0, 1]; embeds: B rows; uncond: 1 or B
-        rows, default the "" prompt. With ``guidance == 1`` only the conditional branch runs;
-        otherwise both branches run in one forward of batch 2B. Returns v (B, C, H, W) fp32.
-        """
-        batch = x.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32).expand(batch)
-        if guidance == 1.0:
-            return self._forward(x, sigma, embeds)
-        if uncond is None:
-            uncond = self.encode_prompts([""])
-        if len(uncond) == 1:
-            uncond = uncond.expand(batch)
-        both = self._forward(
-            torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([embeds, uncond])
-        )  # (2B, C, H, W)
-        v_cond, v_uncond = both.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
-
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         """One transformer call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32."""
         dtype = self.transformer.dtype

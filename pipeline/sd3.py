@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.config import Config, ConfigError
-from pipeline.models import LORA_TARGET_MODULES, PromptEmbeds
+from pipeline.models import LORA_TARGET_MODULES, GuidedVelocity, PromptEmbeds
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def check_directory(directory: Path) -> None:
         )
 
 
-class SD3Backend:
+class SD3Backend(GuidedVelocity):
     """SD3.5-M behind the backend interface (see the module docstring).
 
     Attributes: transformer (SD3Transformer2DModel), vae (AutoencoderKL), text_encoders
@@ -257,36 +257,6 @@ class SD3Backend:
         return PromptEmbeds(hidden, torch.cat(clip_pooled, dim=-1))  # pooled (B, P_L + P_G)
 
     # ---- denoiser ---------------------------------------------------------------------------
-    def velocity(
-        self,
-        x: Tensor,
-        sigma: Tensor,
-        embeds: PromptEmbeds,
-        *,
-        guidance: float,
-        uncond: PromptEmbeds | None = None,
-    ) -> Tensor:
-        """Guided velocity v = v_u + w (v_c - v_u) (Ho & Salimans 2022, eq. 6, in v-space).
-
-        x: (B, C, H, W) at noise level sigma (B,) or scalar in [0, 1]; embeds: B rows; uncond:
-        1 or B rows, default the "" prompt. ``guidance == 1`` runs the conditional branch only;
-        otherwise both branches run in one forward of batch 2B. Returns (B, C, H, W) fp32 on
-        x's device.
-        """
-        batch = x.shape[0]
-        sigma = torch.as_tensor(sigma, dtype=torch.float32).expand(batch)
-        if guidance == 1.0:
-            return self._forward(x, sigma, embeds)
-        if uncond is None:
-            uncond = self.encode_prompts([""])
-        if len(uncond) == 1:
-            uncond = uncond.expand(batch)
-        both = self._forward(
-            torch.cat([x, x]), torch.cat([sigma, sigma]), PromptEmbeds.cat([embeds, uncond])
-        )  # (2B, C, H, W)
-        v_cond, v_uncond = both.chunk(2)
-        return v_uncond + guidance * (v_cond - v_uncond)
-
     def _forward(self, x: Tensor, sigma: Tensor, embeds: PromptEmbeds) -> Tensor:
         """One transformer call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32 on x's device.
 
