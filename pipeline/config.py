@@ -127,7 +127,7 @@ class SamplingParams(Section):
 class RolloutParams(Section):
     """`rollout` stage: G trajectories per prompt with the method's SDE."""
 
-    prompts_per_round: PositiveInt = 8
+    prompts_per_round: PositiveInt = 6
     group_size: Annotated[int, Field(ge=2)] = 8  # G, trajectories per prompt group
     sampler: Literal["auto", "flow_grpo", "cps", "stepwise"] = "auto"  # auto: the method's own SDE
     # Noise level per SDE: a of Flow-GRPO's SDE and of CPS, eta of the DDIM-style SDE (<= 1).
@@ -194,7 +194,7 @@ class TrainParams(Section):
     methods: list[Method] = ["flow_grpo", "stepwise", "tp_grpo"]  # the DVC matrix
     seeds: list[int] = [0, 1]  # the DVC matrix
     seed: int = 0
-    rounds: PositiveInt = 20
+    rounds: PositiveInt = 10
     keep_rollouts: Annotated[int, Field(ge=0)] = 3  # newest rounds whose states stay; 0 = all
 
 

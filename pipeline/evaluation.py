@@ -61,7 +61,9 @@ def judge(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
     results = []
     for meta, found in zip(metadata, detect_batch(images), strict=True):
         correct, reason = evaluate(meta, found)
-        results.append({"tag": meta["tag"], "prompt": meta["prompt"], "correct": correct, "reason": reason})
+        results.append(
+            {"tag": meta["tag"], "prompt": meta["prompt"], "correct": correct, "reason": reason}
+        )
     return results
 
 
