@@ -5,7 +5,7 @@ settings of ``params.yaml`` (``sampling.num_steps``, ``shift``, ``guidance``) an
 the ShapesWorld detector and the GenEval rules, for three samplers:
 
 - ``ode``: deterministic Euler over the training schedule (the headline number);
-- ``sde``: the rollout sampler (``flow_grpo`` SDE with ``rollout.eta`` on ``sde_window``);
+- ``sde``: Flow-GRPO's rollout SDE (``rollout.eta.flow_grpo``) on the default ``sde_window``;
 - ``ode_eval``: the Euler ODE with ``sampling.eval_num_steps`` (the `evaluate` stage protocol).
 
 Target (issue 4): overall between 0.25 and 0.75 with single_object >= 0.6 for ``ode``.
@@ -55,7 +55,7 @@ def test_prompts(cfg) -> list[dict]:
 
 
 def sde_samples(backend, prompts: list[str], seeds: list[int], cfg, batch_size: int):
-    """Rollout-sampler images: flow_grpo SDE (eta = rollout.eta) on the default window."""
+    """Rollout-sampler images: flow_grpo SDE (a = rollout.eta.flow_grpo) on the default window."""
     steps = cfg.sampling.num_steps
     sigmas = sampling.timesteps_sigmas(steps, shift=cfg.sampling.shift)
     window = sampling.sde_window(steps, kind="flow_grpo")
@@ -75,7 +75,7 @@ def sde_samples(backend, prompts: list[str], seeds: list[int], cfg, batch_size: 
                 x_T,
                 sigmas,
                 kind="flow_grpo",
-                eta=cfg.rollout.eta,
+                eta=cfg.rollout.eta["flow_grpo"],
                 window=window,
                 generator=torch.Generator().manual_seed(seeds[start]),
                 keep_states=False,
@@ -159,7 +159,7 @@ def main() -> None:
         "eval_num_steps": cfg.sampling.eval_num_steps,
         "shift": cfg.sampling.shift,
         "guidance": cfg.sampling.guidance,
-        "sde": {"kind": "flow_grpo", "eta": cfg.rollout.eta, "window": "all but the last step"},
+        "sde": {"kind": "flow_grpo", "eta": cfg.rollout.eta["flow_grpo"], "window": "all but last"},
         "images_per_prompt": args.images_per_prompt,
         "test_prompts": len(metadata),
         "seed": args.seed,

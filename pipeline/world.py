@@ -12,6 +12,7 @@ centre at (j + 0.5, i + 0.5).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -311,11 +312,7 @@ def sample_metadata(
     object order. `pool` restricts the draw to given lines (e.g. a train set); default: the
     whole world."""
     if pool is None:
-        pool = [
-            m
-            for tag in TAGS
-            for m in prompt_pool(tag, shapes=shapes, colors=colors, max_count=max_count)
-        ]
+        pool = _whole_world(tuple(shapes), tuple(colors), max_count)
     by_tag: dict[str, list[Mapping]] = {}
     for meta in pool:
         by_tag.setdefault(meta["tag"], []).append(meta)
@@ -326,6 +323,16 @@ def sample_metadata(
         meta = lines[rng.integers(len(lines))]
         out.append(swap_order(meta) if rng.random() < 0.5 else _copy(meta))
     return out
+
+
+@functools.cache
+def _whole_world(shapes: tuple[str, ...], colors: tuple[str, ...], max_count: int) -> list[dict]:
+    """Every line of every tag (cached: training draws from it every step; never mutated)."""
+    return [
+        m
+        for tag in TAGS
+        for m in prompt_pool(tag, shapes=shapes, colors=colors, max_count=max_count)
+    ]
 
 
 def _copy(meta: Mapping) -> dict:

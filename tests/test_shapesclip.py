@@ -76,10 +76,80 @@ def test_contrastive_loss_multi_positive_and_hard_negative_accuracy():
 
 
 def test_make_batch_shapes_and_matches():
-    prompts, pos, neg, matches = sc.make_batch(np.random.default_rng(0), 12, 2)
-    assert len(prompts) == 12 and pos.shape == (12, 3, 32, 32) and neg.shape == (12, 2, 3, 32, 32)
-    assert matches.shape == (12, 12) and torch.all(matches.diagonal() == 1)
-    assert set(matches.unique().tolist()) <= {0.0, 1.0}
+    batch = sc.make_batch(np.random.default_rng(0), 12, 2)
+    assert len(batch.prompts) == len(batch.metas) == 12
+    assert batch.positives.shape == (12, 3, 32, 32)
+    assert batch.negatives.shape == (12, 2, 3, 32, 32)
+    assert batch.matches.shape == (12, 12) and torch.all(batch.matches.diagonal() == 1)
+    assert set(batch.matches.unique().tolist()) <= {0.0, 1.0}
+    assert batch.attributes["pairs"].shape == (36, 40)
+    assert batch.attributes["counts"].shape == (36, 4)
+    assert batch.attributes["relations"].shape == (36, 64)
+
+
+def test_scene_attributes_by_hand():
+    scene = [
+        {"class": "circle", "color": "red", "box": (0, 0, 4, 4)},
+        {"class": "circle", "color": "red", "box": (0, 20, 4, 24)},
+        {"class": "square", "color": "blue", "box": (20, 0, 24, 4)},
+    ]
+    attrs = sc.scene_attributes([scene, []])
+    pairs = attrs["pairs"].reshape(2, 4, 10)  # shape x color
+    assert pairs[0].nonzero().tolist() == [[0, 0], [1, 4]]  # red circle, blue square
+    assert attrs["counts"].tolist() == [[2, 1, 0, 0], [0, 0, 0, 0]]
+    relations = attrs["relations"].reshape(2, 4, 4, 4)  # object class x target class x RELATIONS
+    # both circles are left of the square; the lower one (offset (-20, 20)) is also below it
+    assert relations[0, 0, 1].tolist() == [1, 0, 0, 1]
+    # the square is right of both circles and above the lower one
+    assert relations[0, 1, 0].tolist() == [0, 1, 1, 0]
+    assert relations[0].sum() == 4 and attrs["relations"][1].sum() == 0
+    assert attrs["pairs_mask"].min() == 1 and attrs["relations_mask"].min() == 1
+
+
+def test_caption_attributes_state_only_what_the_caption_says():
+    line = next(
+        m
+        for m in world.prompt_pool("position")
+        if m["prompt"] == "a photo of a circle above a square"
+    )
+    colored = next(
+        m
+        for m in world.prompt_pool("color_attr")
+        if m["prompt"] == "a photo of a red circle and a blue square"
+    )
+    attrs = sc.caption_attributes([line, colored])
+    assert attrs["counts"].tolist() == [[1, 1, -100, -100], [1, 1, -100, -100]]
+    relations = attrs["relations"].reshape(2, 4, 4, 4)
+    mask = attrs["relations_mask"].reshape(2, 4, 4, 4)
+    assert relations[0, 0, 1].tolist() == [0, 0, 1, 0] and mask[0, 0, 1].tolist() == [0, 0, 1, 1]
+    assert relations[0, 1, 0].tolist() == [0, 0, 0, 1] and mask[0, 1, 0].tolist() == [0, 0, 1, 1]
+    assert mask[0].sum() == 4 and mask[1].sum() == 0
+    pairs = attrs["pairs"].reshape(2, 4, 10)
+    pairs_mask = attrs["pairs_mask"].reshape(2, 4, 10)
+    assert pairs[1].nonzero().tolist() == [[0, 0], [1, 4]]
+    assert pairs_mask[1].sum(dim=1).tolist() == [10, 10, 0, 0] and pairs_mask[0].sum() == 0
+
+
+def test_attribute_loss_by_hand():
+    scene = [{"class": "triangle", "color": "green", "box": (0, 0, 4, 4)}]
+    targets = sc.scene_attributes([scene])
+    counts = torch.full((1, 4, world.MAX_OBJECTS + 1), -20.0)
+    counts[0, torch.arange(4), targets["counts"][0]] = 20.0
+    right = torch.cat(
+        [(targets["pairs"] * 2 - 1) * 20, counts.flatten(1), (targets["relations"] * 2 - 1) * 20],
+        dim=1,
+    )
+    assert right.shape == (1, sc.attribute_size()) == (1, 40 + 24 + 64)
+    assert sc.attribute_loss(right, targets).item() < 1e-6
+    # all-zero logits: BCE log 2 on pairs and relations, CE log 6 on counts
+    zero = sc.attribute_loss(torch.zeros_like(right), targets).item()
+    assert zero == pytest.approx(2 * np.log(2) + np.log(6), abs=1e-5)
+    # a caption that states nothing about relations: they do not count
+    line = world.prompt_pool("colors")[0]
+    stated = sc.caption_attributes([line])
+    assert sc.attribute_loss(torch.zeros_like(right), stated).item() == pytest.approx(
+        2 * np.log(2) + np.log(6) - np.log(2), abs=1e-5
+    )
 
 
 def test_scene_detections_find_the_named_color_among_many():
@@ -150,3 +220,12 @@ def test_image_encoder_sees_position():
     with torch.no_grad():
         assert not torch.allclose(encoder(left), encoder(right), atol=1e-4)
         assert encoder(torch.cat([left, right])).shape == (2, 8)
+
+
+def test_first_negative_is_of_the_tags_focus_kind():
+    rng = np.random.default_rng(0)
+    for tag in TAGS:
+        assert set(sc.FOCUS_KINDS[tag]) <= set(world.CORRUPTIONS[tag])
+        drawn = [sc._negative_kinds(tag, 3, rng) for _ in range(50)]
+        assert all(kinds[0] in sc.FOCUS_KINDS[tag] for kinds in drawn)
+        assert {k for kinds in drawn for k in kinds[1:]} == set(world.CORRUPTIONS[tag])
