@@ -39,7 +39,11 @@ red circle next to a blue square), S[i, j] in {0, 1}.
   "a red circle" and "a blue circle" after 600 steps); measured after 600 steps, held-out
   wrong-color negatives are ranked right 0.53 -> 0.98 of the time, swapped relations
   0.44 -> 0.69, swapped colors 0.48 -> 0.61. The head is dropped after training.
-Loss = mean of the first two cross-entropies + the third + the auxiliary losses. The first
+- text-side hard negatives (`text_negative_loss`): for colors, position and color_attr
+  captions, the caption of a wrong color, the opposite relation or the swapped colors must
+  score below the right caption on the caption's own render.
+Loss = mean of the first two cross-entropies + the third + the text-side term + the
+auxiliary losses. The first
 negative of a caption is of a kind its tag is about (`FOCUS_KINDS`). Images are
 degraded (`world.degrade`: blur, noise, color offsets) so that generated images are scored too.
 """
@@ -131,20 +135,42 @@ class ImageEncoder(nn.Module):
     """Conv encoder: (B, 3, H, W) in [0, 1] -> (B, embed_dim) (unnormalized).
 
     image * 2 - 1 -> conv3x3(width) -> conv3x3(width) -> maxpool 2 -> conv3x3(2 width) ->
-    maxpool 2 -> conv3x3(2 width) -> [max, mean] over space (4 width) -> MLP(hidden) ->
-    embed_dim. GELU after every conv and hidden layer; every conv also sees the pixel
-    coordinates (CoordConv), so that a late feature can be "circle, far left" and survive the
-    pooling.
+    maxpool 2 -> conv3x3(2 width) = features F (B, 2 width, H/4, W/4). GELU after every conv
+    and hidden layer; every conv also sees the pixel coordinates (CoordConv), so that a late
+    feature can be "circle, far left" and survive the pooling. Pooled over space:
+    - max and mean of F (4 width): which kinds of object are there, and how much of them;
+    - factored bilinear max (Lin et al. 2015, bilinear CNNs): a softmax over `color_factors`
+      (1x1 conv of F) times `shape_factors` GELU features (1x1 conv of F), outer product per
+      location, max over locations (color_factors * shape_factors). It keeps "red circle and
+      blue square" apart from "blue circle and red square", which the plain pools mix up.
+    -> MLP(hidden) -> embed_dim.
     """
 
-    def __init__(self, width: int = 24, hidden: int = 128, embed_dim: int = 64):
+    def __init__(
+        self,
+        width: int = 24,
+        hidden: int = 128,
+        embed_dim: int = 64,
+        color_factors: int = 10,
+        shape_factors: int = 8,
+    ):
         super().__init__()
-        self.config = {"width": width, "hidden": hidden, "embed_dim": embed_dim}
+        self.config = {
+            "width": width,
+            "hidden": hidden,
+            "embed_dim": embed_dim,
+            "color_factors": color_factors,
+            "shape_factors": shape_factors,
+        }
         channels = [(3, width), (width, width), (width, 2 * width), (2 * width, 2 * width)]
         self.convs = nn.ModuleList(nn.Conv2d(c + 2, out, 3, padding=1) for c, out in channels)
         self.pool_after = (1, 2)  # conv indices followed by a 2x2 max pool
+        self.color_map = nn.Conv2d(2 * width, color_factors, 1)
+        self.shape_map = nn.Conv2d(2 * width, shape_factors, 1)
         self.head = nn.Sequential(
-            nn.Linear(4 * width, hidden), nn.GELU(), nn.Linear(hidden, embed_dim)
+            nn.Linear(4 * width + color_factors * shape_factors, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, embed_dim),
         )
 
     def forward(self, images: Tensor) -> Tensor:
@@ -153,7 +179,10 @@ class ImageEncoder(nn.Module):
             x = nn.functional.gelu(conv(_with_coordinates(x)))
             if i in self.pool_after:
                 x = nn.functional.max_pool2d(x, 2)
-        pooled = torch.cat([x.amax(dim=(2, 3)), x.mean(dim=(2, 3))], dim=1)  # (B, 4 width)
+        color = torch.softmax(self.color_map(x), dim=1)  # (B, Fc, h, w)
+        shape = nn.functional.gelu(self.shape_map(x))  # (B, Fs, h, w)
+        bilinear = (color[:, :, None] * shape[:, None]).amax(dim=(3, 4))  # (B, Fc, Fs)
+        pooled = torch.cat([x.amax(dim=(2, 3)), x.mean(dim=(2, 3)), bilinear.flatten(1)], dim=1)
         return self.head(pooled)  # (B, embed_dim)
 
 
@@ -268,6 +297,15 @@ FOCUS_KINDS = {
 }
 
 
+# Per tag, the corruption whose caption is a hard negative on the text side (NegCLIP): the
+# same scene structure with the binding, relation or color changed.
+TEXT_NEGATIVE_KINDS = {
+    "colors": "wrong_color",
+    "position": "swapped_relation",
+    "color_attr": "swapped_colors",
+}
+
+
 def _negative_kinds(tag: str, n: int, rng: np.random.Generator) -> list[str]:
     """n corruption kinds for a caption of `tag`: one of FOCUS_KINDS[tag] first, then any."""
     focus, kinds = FOCUS_KINDS[tag], world.CORRUPTIONS[tag]
@@ -280,7 +318,8 @@ def _negative_kinds(tag: str, n: int, rng: np.random.Generator) -> list[str]:
 class Batch:
     """One training batch of fresh renders (B captions, K hard negatives each).
 
-    metas: the B metadata lines; prompts: their B prompts; positives (B, 3, H, W); negatives
+    metas: the B metadata lines; prompts: their B prompts; text_negatives: (caption index,
+    wrong caption) for captions of a tag in TEXT_NEGATIVE_KINDS; positives (B, 3, H, W); negatives
     (B, K, 3, H, W); matches (B, B): 1 where render j satisfies prompt i; attributes:
     `scene_attributes` of the B + B*K renders (positives first, then negatives caption by
     caption).
@@ -288,6 +327,7 @@ class Batch:
 
     metas: list[dict]
     prompts: list[str]
+    text_negatives: list[tuple[int, str]]
     positives: Tensor
     negatives: Tensor
     matches: Tensor
@@ -440,9 +480,15 @@ def make_batch(
     )
     images = np.stack([world.draw(s, image_size) for s in scenes + wrong])  # (B + B*K, H, W, 3)
     images = torch.from_numpy(images).permute(0, 3, 1, 2)  # (B + B*K, 3, H, W)
+    text_negatives = [
+        (i, world.prompt_for(world.corrupt(m, TEXT_NEGATIVE_KINDS[m["tag"]], rng)))
+        for i, m in enumerate(metas)
+        if m["tag"] in TEXT_NEGATIVE_KINDS
+    ]
     return Batch(
         metas=metas,
         prompts=[m["prompt"] for m in metas],
+        text_negatives=text_negatives,
         positives=images[:batch_size],
         negatives=images[batch_size:].unflatten(0, (batch_size, negatives)),  # (B, K, 3, H, W)
         matches=matches,
@@ -472,6 +518,23 @@ def contrastive_loss(
     hard = -torch.log_softmax(own, dim=1)[:, 0].mean()  # own render against own negatives
     accuracy = (logits_pos.diagonal()[:, None] > logits_neg).float().mean()
     return 0.5 * (t2i + i2t) + hard, accuracy
+
+
+def text_negative_loss(
+    images: Tensor, text: Tensor, wrong_text: Tensor, rows: Tensor, scale: Tensor
+) -> Tensor:
+    """Hard negatives on the text side (NegCLIP, Yuksekgonul et al. 2023): for each render
+    `rows[m]`, softmax over its own caption and the wrong caption m, target its own caption.
+
+    images, text: (B, D) unit-norm; wrong_text: (M, D) unit-norm; rows: (M,) long.
+    Returns the mean cross-entropy (0 if M = 0).
+    """
+    if len(rows) == 0:
+        return scale * 0.0
+    right = (images[rows] * text[rows]).sum(dim=1)  # (M,)
+    wrong = (images[rows] * wrong_text).sum(dim=1)  # (M,)
+    logits = scale * torch.stack([right, wrong], dim=1)  # (M, 2)
+    return -torch.log_softmax(logits, dim=1)[:, 0].mean()
 
 
 def train_shapesclip(
@@ -534,6 +597,15 @@ def train_shapesclip(
             batch.matches,
             clip.scale,
         )
+        if batch.text_negatives:
+            rows, wrong_prompts = zip(*batch.text_negatives, strict=True)
+            loss = loss + text_negative_loss(
+                embeddings[:batch_size],
+                text,
+                clip.encode_texts(wrong_prompts),
+                torch.tensor(rows),
+                clip.scale,
+            )
         # one attribute head reads both towers, pulling them into one decodable space
         aux = attribute_loss(attribute_head(embeddings), batch.attributes)
         aux = aux + attribute_loss(attribute_head(text), caption_attributes(batch.metas))

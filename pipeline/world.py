@@ -36,6 +36,7 @@ __all__ = [
     "corrupt",
     "degrade",
     "make_prompts",
+    "prompt_for",
     "prompt_pool",
     "read_prompts",
     "render",
@@ -163,7 +164,7 @@ def _article(word: str) -> str:
     return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
-def _prompt_for(meta: Mapping) -> str:
+def prompt_for(meta: Mapping) -> str:
     """GenEval's prompt template for a metadata line."""
     tag, inc = meta["tag"], meta["include"]
     if tag == "single_object":
@@ -183,7 +184,7 @@ def _prompt_for(meta: Mapping) -> str:
 
 def _line(tag: str, include: list[dict], exclude: list[dict] | None = None) -> dict:
     meta = {"tag": tag, "include": include, "exclude": exclude or []}
-    return {"tag": tag, "prompt": _prompt_for(meta), "include": include, "exclude": meta["exclude"]}
+    return {"tag": tag, "prompt": prompt_for(meta), "include": include, "exclude": meta["exclude"]}
 
 
 def prompt_pool(

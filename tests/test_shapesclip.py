@@ -12,7 +12,7 @@ from pipeline.geneval import TAGS, evaluate
 
 TINY = {
     "text_kwargs": {"hidden": 16, "layers": 1, "heads": 2, "embed_dim": 8},
-    "image_kwargs": {"width": 4, "hidden": 8},
+    "image_kwargs": {"width": 4, "hidden": 8, "color_factors": 3, "shape_factors": 2},
 }
 
 
@@ -171,7 +171,13 @@ def test_tiny_training_writes_a_loadable_model(tiny_dir):
     model = sc.load_shapesclip(out)
     assert not model.training
     assert model.text_model.config.hidden_size == 16
-    assert model.image_encoder.config == {"width": 4, "hidden": 8, "embed_dim": 8}
+    assert model.image_encoder.config == {
+        "width": 4,
+        "hidden": 8,
+        "embed_dim": 8,
+        "color_factors": 3,
+        "shape_factors": 2,
+    }
 
 
 def test_save_load_round_trip_scores_identical(tiny_dir, tmp_path):
@@ -212,7 +218,7 @@ def test_image_encoder_sees_position():
     """Coordinate channels: a shape moved across the canvas changes the embedding even though
     the pooled conv features alone would be translation invariant."""
     torch.manual_seed(0)
-    encoder = sc.ImageEncoder(width=4, hidden=8, embed_dim=8)
+    encoder = sc.ImageEncoder(width=4, hidden=8, embed_dim=8, color_factors=3, shape_factors=2)
     image = torch.full((1, 3, 32, 32), 0.5)
     left, right = image.clone(), image.clone()
     left[..., 10:16, 4:10] = 1.0
@@ -229,3 +235,26 @@ def test_first_negative_is_of_the_tags_focus_kind():
         drawn = [sc._negative_kinds(tag, 3, rng) for _ in range(50)]
         assert all(kinds[0] in sc.FOCUS_KINDS[tag] for kinds in drawn)
         assert {k for kinds in drawn for k in kinds[1:]} == set(world.CORRUPTIONS[tag])
+
+
+def test_text_negative_loss_by_hand():
+    images = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    text = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    wrong = torch.tensor([[0.0, 1.0]])  # a wrong caption for render 0 only
+    loss = sc.text_negative_loss(images, text, wrong, torch.tensor([0]), torch.tensor(1.0))
+    assert loss.item() == pytest.approx(np.log(np.e + 1) - 1, abs=1e-6)  # logits (1, 0)
+    none = sc.text_negative_loss(
+        images, text, wrong[:0], torch.tensor([], dtype=torch.long), torch.tensor(1.0)
+    )
+    assert none.item() == 0.0
+
+
+def test_batch_text_negatives_are_wrong_captions_of_the_same_template():
+    batch = sc.make_batch(np.random.default_rng(1), 24, 1)
+    assert batch.text_negatives
+    for i, wrong in batch.text_negatives:
+        meta = batch.metas[i]
+        assert meta["tag"] in sc.TEXT_NEGATIVE_KINDS
+        assert wrong != meta["prompt"] and len(wrong.split()) == len(meta["prompt"].split())
+    tagged = {i for i, _ in batch.text_negatives}
+    assert tagged == {i for i, m in enumerate(batch.metas) if m["tag"] in sc.TEXT_NEGATIVE_KINDS}
