@@ -11,8 +11,9 @@ Two phases, both on ShapesWorld renders drawn on the fly from random training me
    x_t = (1 - t) x0 + t eps, target v = eps - x0, loss ||v_theta(x_t, t, c) - v||^2 (mean over
    elements), t ~ logit-normal(t_mean, t_std) (SD3 eq. 19), captions dropped to "" with
    probability ``caption_dropout`` for classifier-free guidance (Ho & Salimans 2022). The text
-   encoder trains jointly with the denoiser; AdamW with linear warmup then cosine decay; the saved
-   weights are an exponential moving average of the training weights.
+   encoder trains jointly with the denoiser; AdamW with a linear warmup, then a constant lr (so
+   that a run of n steps is a prefix of any longer run: snapshots stand in for shorter runs); the
+   saved weights are an exponential moving average of the training weights.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ def pretrain_base(
     out_dir: str | Path,
     *,
     prompts: list[dict],
-    steps: int = 4000,
+    steps: int = 5000,
     batch_size: int = 64,
     lr: float = 1e-3,
     warmup: int = 200,
