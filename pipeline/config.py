@@ -85,10 +85,14 @@ class ModelParams(Section):
 class BaseParams(Section):
     """`base` stage: pretrain the embedded flow model (and ShapesCLIP) on ShapesWorld renders."""
 
-    steps: PositiveInt = 4000  # flow-matching optimizer steps
+    pool: Literal["world", "train"] = "world"  # scenes to pretrain on (see stages/base.py)
+    steps: PositiveInt = 5000  # flow-matching optimizer steps
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
     warmup: Annotated[int, Field(ge=0)] = 200  # linear lr warmup steps
+    lr_decay: Literal["cosine", "constant"] = "cosine"  # after warmup
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0  # AdamW
+    grad_clip: PositiveFloat = 1.0  # max global gradient norm
     ema_decay: Probability = 0.999
     caption_dropout: Probability = 0.1  # share of empty captions, for classifier-free guidance
     t_mean: float = 0.0  # logit-normal timestep sampling (SD3): mean and std of the logit
@@ -99,6 +103,8 @@ class BaseParams(Section):
     ae_steps: Annotated[int, Field(ge=0)] = 1500
     ae_lr: PositiveFloat = 2e-3
     ae_batch_size: PositiveInt = 32
+    ae_object_weight: PositiveFloat = 4.0  # object pixels' weight in the reconstruction loss
+    ae_kl_weight: Annotated[float, Field(ge=0)] = 1e-6
     patch_size: PositiveInt = 2  # transformer patch side, in latent pixels
     num_layers: PositiveInt = 4  # MMDiT blocks
     num_heads: PositiveInt = 4
@@ -106,13 +112,14 @@ class BaseParams(Section):
     text_dim: PositiveInt = 64  # tiny CLIP text encoder width (trained jointly)
     text_layers: PositiveInt = 2
     text_heads: PositiveInt = 2
+    max_length: PositiveInt = 12  # prompt tokens including [BOS]/[EOS]
     clip_steps: PositiveInt = 1500  # ShapesCLIP contrastive training steps
     clip_batch_size: PositiveInt = 64
-    clip_lr: PositiveFloat = 1e-3
+    clip_lr: PositiveFloat = 2e-3
 
     def pretrain_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `pipeline.pretrain.pretrain_base` (not ShapesCLIP's)."""
-        return self.model_dump(exclude={"clip_steps", "clip_batch_size", "clip_lr"})
+        return self.model_dump(exclude={"pool", "clip_steps", "clip_batch_size", "clip_lr"})
 
 
 class SamplingParams(Section):
@@ -210,7 +217,7 @@ class RescoreParams(Section):
     """`rescore` DVC stage: which training run's rollouts to re-score, with which reward mix."""
 
     run: str = "flow_grpo-s0"  # a run under data/train
-    rewards: str = "shapesclip=1"  # NAME[=WEIGHT],...
+    rewards: str = "shapes_clip=1"  # NAME[=WEIGHT],...
 
 
 class Config(Section):

@@ -11,9 +11,10 @@ Two phases, both on ShapesWorld renders drawn on the fly from random training me
    x_t = (1 - t) x0 + t eps, target v = eps - x0, loss ||v_theta(x_t, t, c) - v||^2 (mean over
    elements), t ~ logit-normal(t_mean, t_std) (SD3 eq. 19), captions dropped to "" with
    probability ``caption_dropout`` for classifier-free guidance (Ho & Salimans 2022). The text
-   encoder trains jointly with the denoiser; AdamW with a linear warmup, then a constant lr (so
-   that a run of n steps is a prefix of any longer run: snapshots stand in for shorter runs); the
-   saved weights are an exponential moving average of the training weights.
+   encoder trains jointly with the denoiser; AdamW with a linear warmup, then a cosine decay to
+   a tenth of the peak (``lr_decay="cosine"``) or a constant lr (``"constant"``: a run of n steps
+   is then a prefix of any longer run, so snapshots stand in for shorter runs); the saved weights
+   are an exponential moving average of the training weights.
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def pretrain_base(
     batch_size: int = 64,
     lr: float = 1e-3,
     warmup: int = 200,
+    lr_decay: str = "cosine",
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
     ema_decay: float = 0.999,
@@ -234,11 +236,12 @@ def pretrain_base(
     Images are rendered on the fly by ``render_batch(metas, rng, image_size)`` (default
     ``pipeline.world.render_batch``) from metadata drawn tag-balanced from ``prompts``.
     Flow phase: ``steps`` AdamW steps of ``batch_size``, lr warmed up linearly over ``warmup``
-    steps then constant, EMA of the weights with ``ema_decay``; logit-normal t (t_mean, t_std).
+    steps then ``lr_decay`` ("cosine" or "constant"), EMA of the weights with ``ema_decay``;
+    logit-normal t (t_mean, t_std).
     Autoencoder phase: ae_* (skipped with ``latent_channels=0``: pixel space). Model dims as in
     ``ShapesConfig``. With ``snapshot_every`` > 0 the EMA model is also saved every that many
-    flow steps to ``snapshot_dir/step-NNNNNN``; as the lr is constant after warmup, the snapshot
-    at step n equals the result of a run with ``steps=n``. Deterministic for a seed on CPU.
+    flow steps to ``snapshot_dir/step-NNNNNN``; with a constant lr after warmup the snapshot at
+    step n equals the result of a run with ``steps=n``. Deterministic for a seed on CPU.
 
     Writes ``save_pretrained`` files (EMA weights) and ``pretrain_history.json`` into out_dir;
     returns that history: {"flow_loss": [...], "ae_loss": [...], "seconds": {...},
@@ -312,6 +315,7 @@ def pretrain_base(
         steps=steps,
         lr=lr,
         warmup=warmup,
+        decay_steps=steps if lr_decay == "cosine" else None,
         weight_decay=weight_decay,
         grad_clip=grad_clip,
         ema_decay=ema_decay,
@@ -360,6 +364,7 @@ def _train_flow(
     steps: int,
     lr: float,
     warmup: int,
+    decay_steps: int | None,
     weight_decay: float,
     grad_clip: float,
     ema_decay: float,
@@ -382,7 +387,7 @@ def _train_flow(
     bar = tqdm(range(steps), desc="flow", disable=not progress, mininterval=2.0)
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = lr * lr_factor(step, warmup)
+            group["lr"] = lr * lr_factor(step, warmup, decay_steps)
         metas = draw_metas()
         with torch.no_grad():
             x0 = backend.encode(render(metas))  # (B, C, h, w)

@@ -76,7 +76,7 @@ def geneval_strict(cfg: Config) -> RewardFn:
     return strict_geneval_reward(_shapes_detections)
 
 
-@register("shapesclip")
+@register("shapes_clip")
 def shapesclip(cfg: Config) -> RewardFn:
     """ShapesCLIP's scaled text-image cosine similarity (a PickScore/CLIPScore stand-in)."""
     model = _load_shapesclip(str(cfg.path(SHAPESCLIP_DIR)))
@@ -96,7 +96,7 @@ def _load_shapesclip(path: str):
     from pipeline.shapesclip import load_shapesclip
 
     if not Path(path).is_dir():
-        raise ConfigError(f"score.rewards: shapesclip needs {path} (run `creditflow base` first)")
+        raise ConfigError(f"score.rewards: shapes_clip needs {path} (run `creditflow base` first)")
     return load_shapesclip(path)
 
 
@@ -174,7 +174,7 @@ class RewardMix:
 
 
 def parse_mix(text: str) -> dict[str, float]:
-    """`"geneval=0.5,shapesclip"` -> {"geneval": 0.5, "shapesclip": 1.0} (weight defaults to 1)."""
+    """`"geneval=0.5,shapes_clip"` -> {"geneval": 0.5, "shapes_clip": 1.0} (weight default 1)."""
     mix: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, weight = part.partition("=")

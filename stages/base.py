@@ -1,8 +1,13 @@
 """`base` stage: the base policy and the learned reward.
 
-ShapesWorld: pretrain the embedded flow model on renders of the train prompts
-(`data/base/model`) and ShapesCLIP (`data/base/shapesclip`); write the loss curve and the
-summary metrics to `reports/base/`. SD3: check the local weights directory, train nothing.
+ShapesWorld: pretrain the embedded flow model (`data/base/model`) and ShapesCLIP
+(`data/base/shapesclip`) on renders; write the loss curve and the summary metrics to
+`reports/base/`. SD3: check the local weights directory, train nothing.
+
+`base.pool: world` pretrains on every line of the world, the way SD3 was pretrained on the web
+before anyone ran GenEval on it: the test prompts' scenes are seen as pretraining data, while
+GRPO only ever trains on the train split. `train` pretrains on the train split alone, a harder
+held-out setting (single_object then has one test prompt the base model never saw).
 """
 
 from __future__ import annotations
@@ -28,20 +33,24 @@ def base(cfg: Config) -> dict[str, float]:
         return {}
     from pipeline.pretrain import pretrain_base
     from pipeline.shapesclip import train_shapesclip
+    from pipeline.world import whole_world
 
-    image_size = cfg.world.image_size
+    world = cfg.world
+    if cfg.base.pool == "world":
+        scenes = whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
+    else:
+        scenes = layout.load_prompts(cfg, "train")
     with atomic_path(cfg.path(cfg.model.path)) as tmp:
         history = pretrain_base(
-            tmp, prompts=layout.load_prompts(cfg, "train"), image_size=image_size,
-            **cfg.base.pretrain_kwargs(),
-        )  # fmt: skip
+            tmp, prompts=scenes, image_size=world.image_size, **cfg.base.pretrain_kwargs()
+        )
     clip = train_shapesclip(
         cfg.path(SHAPESCLIP_DIR),
         steps=cfg.base.clip_steps,
         batch_size=cfg.base.clip_batch_size,
         lr=cfg.base.clip_lr,
         seed=cfg.base.seed,
-        image_size=image_size,
+        image_size=world.image_size,
     )
     losses = history["flow_loss"]
     tail = losses[-max(1, len(losses) // 10) :]

@@ -233,12 +233,17 @@ def test_colored_objects_use_their_palette_color():
 def test_layouts_are_valid():
     rng = np.random.default_rng(0)
     metas = world.sample_metadata(rng, 300)
+    tilts = []
     for meta in metas:
         objects = world.layout(meta, rng)
         assert len(objects) == sum(c["count"] for c in meta["include"])
         for obj in objects:
             x0, y0, x1, y1 = obj["box"]
             assert 0 < x0 < x1 < 32 and 0 < y0 < y1 < 32
+            bound = min(world.ROTATION_JITTER, world.SYMMETRY[obj["class"]] / 2)
+            assert abs(obj["angle"]) <= bound
+            if obj["class"] != "circle":
+                tilts.append(obj["angle"])
         for a in range(len(objects)):
             for b in range(a):
                 gap = math.hypot(
@@ -251,6 +256,8 @@ def test_layouts_are_valid():
                 for obj in (o for o in objects if o["clause"] == i):
                     for tgt in (o for o in objects if o["clause"] == target):
                         assert relation in relative_position(obj["box"], tgt["box"])
+    # Tilts spread over the whole jitter range, both ways.
+    assert max(tilts) > 0.8 * world.ROTATION_JITTER and min(tilts) < -0.8 * world.ROTATION_JITTER
 
 
 def test_shape_area_matches_coverage():
