@@ -10,7 +10,8 @@ the ShapesWorld detector and the GenEval rules, for three samplers:
 
 Target (issue 4): overall between 0.25 and 0.75 with single_object >= 0.6 for ``ode``.
 Writes into ``--out``: quality.json (per-tag accuracy per sampler, settings, pretraining time),
-samples.png (one ODE sample per test prompt, the prompt under each), loss.png (loss curves).
+samples.png (one ODE sample per test prompt, the prompt under each), pretrain_losses.png
+(flow and autoencoder loss curves; the `base` stage owns loss.png).
 
     python benchmarks/base_quality.py --model data/base/model --out reports/base
 """
@@ -190,7 +191,7 @@ def main() -> None:
     pick = first + second
     sample_grid(images["ode"][pick], [prompts[i] for i in pick], args.out / "samples.png")
     if history is not None:
-        plot_losses(history, args.out / "loss.png")
+        plot_losses(history, args.out / "pretrain_losses.png")
 
 
 if __name__ == "__main__":

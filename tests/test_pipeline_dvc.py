@@ -195,3 +195,21 @@ def test_mlflow_ui_serves_the_runs_over_loopback(reproduced):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_dvc_exp_run_reruns_only_what_the_override_touches(reproduced):
+    """An ablation as users run it, last in this module (it changes the workspace's params):
+    `dvc exp run -S` re-runs the touched stages, resumes the persisted run, records the experiment
+    with its per-tag metrics."""
+    root, env, _ = reproduced
+    ran = run(
+        ["dvc", "exp", "run", "-S", "train.methods=[flow_grpo]", "-S", "train.rounds=3"], root, env
+    ).stdout
+    assert "Running stage 'train@flow_grpo-0'" in ran
+    assert "Running stage 'base'" not in ran and "Running stage 'train@stepwise-0'" not in ran
+    rounds = json.loads((root / "reports/train/flow_grpo-s0/rounds.json").read_text())
+    assert [r["round"] for r in rounds] == [0, 1, 2]  # rounds 0-1 kept, round 2 added
+    assert run(["dvc", "exp", "list", "--name-only"], root, env).stdout.strip()
+    table = run(["dvc", "exp", "show", "--csv"], root, env).stdout
+    header = table.splitlines()[0].split(",")
+    assert "train.rounds" in header and any("per_tag.single_object" in h for h in header)
