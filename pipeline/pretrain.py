@@ -133,9 +133,9 @@ def _default_render() -> RenderBatch:
 
 def _world_prompts() -> list[str]:
     """Every prompt of the default world, so that the vocabulary covers held-out prompts."""
-    from pipeline.world import TAGS, prompt_pool
+    from pipeline.world import whole_world
 
-    return [m["prompt"] for tag in TAGS for m in prompt_pool(tag)]
+    return [m["prompt"] for m in whole_world()]
 
 
 def _batches(

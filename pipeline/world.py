@@ -331,7 +331,9 @@ def sample_metadata(
 
 
 @functools.cache
-def whole_world(shapes: tuple[str, ...], colors: tuple[str, ...], max_count: int) -> list[dict]:
+def whole_world(
+    shapes: tuple[str, ...] = SHAPES, colors: tuple[str, ...] = tuple(COLORS), max_count: int = 4
+) -> list[dict]:
     """Every line of every tag (cached: training draws from it every step; never mutated)."""
     return [
         m
