@@ -86,7 +86,7 @@ class BaseParams(Section):
     """`base` stage: pretrain the embedded flow model (and ShapesCLIP) on ShapesWorld renders."""
 
     pool: Literal["world", "train"] = "world"  # scenes to pretrain on (see stages/base.py)
-    steps: PositiveInt = 5000  # flow-matching optimizer steps
+    steps: PositiveInt = 4800  # flow-matching optimizer steps
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
     warmup: Annotated[int, Field(ge=0)] = 200  # linear lr warmup steps
@@ -95,7 +95,8 @@ class BaseParams(Section):
     grad_clip: PositiveFloat = 1.0  # max global gradient norm
     ema_decay: Probability = 0.999
     caption_dropout: Probability = 0.1  # share of empty captions, for classifier-free guidance
-    t_mean: float = 0.0  # logit-normal timestep sampling (SD3): mean and std of the logit
+    # logit-normal timestep sampling (SD3): mean and std of the logit; ln 3 matches shift 3
+    t_mean: float = 1.0986
     t_std: PositiveFloat = 1.0
     seed: int = 0
     latent_channels: Annotated[int, Field(ge=0)] = 4  # autoencoder latent channels; 0 = pixels
@@ -155,7 +156,7 @@ class ScoreParams(Section):
     ode_substeps: PositiveInt = 5  # T' for the stepwise estimator (1 = Tweedie)
     estimator: Literal["tweedie", "ode_substeps"] = "ode_substeps"  # stepwise's clean estimate
     batch_size: PositiveInt = 256  # states per model call when completing estimates
-    estimate_images: Annotated[int, Field(ge=0)] = 4  # trajectories whose estimates are kept
+    estimate_images: Annotated[int, Field(ge=0)] = 4  # most non-monotonic trajectories kept
     # Real-image reward models (local directories, never downloaded; see pipeline.real_rewards).
     clip_path: Path = Path("data/rewards/clip")  # clipscore: CLIPModel + processor (e.g. PickScore)
     detector_path: Path = Path("data/rewards/owlv2")  # geneval_real*: OWLv2 detector + processor
@@ -208,7 +209,7 @@ class TrainParams(Section):
 class EvaluateParams(Section):
     """`evaluate` stage: GenEval protocol on the test prompts."""
 
-    images_per_prompt: PositiveInt = 4
+    images_per_prompt: PositiveInt = 16
     seed: int = 1234
     batch_size: PositiveInt = 64
 

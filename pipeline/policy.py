@@ -4,12 +4,18 @@ A checkpoint is a directory `round-<r>/` holding `lora.safetensors`, `optimizer.
 state), `rng.pt` (torch's global RNG) and `metrics.json`, written atomically, so the latest
 complete one is where a killed run resumes. Per-round randomness is derived from (seed, round)
 (`pipeline.rounds.generator`), so a resumed run replays the same draws as an uninterrupted one.
+A run also records the inputs its rounds depend on (`inputs.json`); a run whose inputs changed
+(another base model, prompt split or params) starts again from round 0 instead of resuming, since
+DVC keeps the `persist: true` run directory across `dvc repro` / `dvc exp run -S`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.config import Config, ConfigError
 from pipeline.grpo import add_lora, load_lora_state, lora_parameters, lora_state_dict
-from pipeline.io import atomic_path
+from pipeline.io import atomic_path, write_json
 
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
+INPUTS_FILE = "inputs.json"
+# Config a run's rounds depend on; train.rounds and train.keep_rollouts are left out, so that
+# raising the round count extends a finished run.
+_RUN_SECTIONS = ("model", "sampling", "rollout", "score", "advantages", "update")
+_RUN_KEYS = ("train.method", "train.seed")
+_CONTENT_HASH_LIMIT = 64 * 2**20  # bytes; larger files (SD3.5 weights) go by size and mtime
 
 
 def load_backend(cfg: Config):
@@ -108,3 +120,67 @@ def restore(cfg: Config, run: Path, before_round: int | None = None, backend=Non
     if done:
         policy.load(done[max(done)])
     return policy
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a directory's (or one file's) files: their relative paths and contents, or for
+    files over 64 MiB their size and mtime (hashing GBs of weights per run start is too slow)."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
+        stat = file.stat()
+        if stat.st_size > _CONTENT_HASH_LIMIT:
+            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
+        else:
+            digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def run_inputs(cfg: Config) -> dict[str, str]:
+    """What a training run's rounds depend on, flattened: the `train` stage's config sections,
+    the method and seed, and digests of the base model and the train prompts."""
+    from pipeline.layout import prompts_file
+
+    flat = cfg.flat()
+    inputs = {
+        key: json.dumps(value, sort_keys=True)
+        for key, value in flat.items()
+        if key.split(".")[0] in _RUN_SECTIONS or key in _RUN_KEYS
+    }
+    for name, path in [
+        ("base_model", cfg.path(cfg.model.path)),
+        ("prompts", prompts_file(cfg, "train")),
+    ]:
+        inputs[f"digest.{name}"] = file_digest(path) if path.exists() else "missing"
+    return inputs
+
+
+def prepare_run(cfg: Config, run: Path) -> None:
+    """Keep `run` for resuming when it was made from these inputs; otherwise empty it (warning
+    what changed when it held checkpoints) so that training starts at round 0. Records the
+    inputs in `run/inputs.json`."""
+    run = Path(run)
+    inputs = run_inputs(cfg)
+    record = run / INPUTS_FILE
+    recorded = json.loads(record.read_text()) if record.is_file() else None
+    if recorded == inputs:
+        return
+    if checkpoints(run / "checkpoints"):
+        if recorded is None:
+            why = "no record of its inputs"
+        else:
+            changed = sorted(k for k in inputs.keys() | recorded.keys()
+                             if inputs.get(k) != recorded.get(k))  # fmt: skip
+            more = len(changed) - 6
+            why = "changed: " + ", ".join(changed[:6]) + (f" and {more} more" if more > 0 else "")
+        warnings.warn(
+            f"{run.name}: its checkpoints were trained from other inputs ({why}); "
+            "training again from round 0",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if run.exists():
+        shutil.rmtree(run)
+    write_json(record, inputs)

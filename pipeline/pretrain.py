@@ -9,7 +9,10 @@ Two phases, both on ShapesWorld renders drawn on the fly from random training me
    then its scale/shift are set so that the flow's x0 has zero mean and unit std.
 2. flow: rectified flow (Liu et al. 2022; SD3, Esser et al. 2024, eq. 1-3 and sec. 3.1):
    x_t = (1 - t) x0 + t eps, target v = eps - x0, loss ||v_theta(x_t, t, c) - v||^2 (mean over
-   elements), t ~ logit-normal(t_mean, t_std) (SD3 eq. 19), captions dropped to "" with
+   elements), t ~ logit-normal(t_mean, t_std) (SD3 eq. 19; shifting sigma by s adds ln s to its
+   logit, so t_mean = ln 3 trains on the sigmas a shift-3 sampler visits: with t_mean = 0 the
+   first steps above sigma 0.9 are rarely trained and samples stall at the mean image, a faint
+   canvas-sized ghost), captions dropped to "" with
    probability ``caption_dropout`` for classifier-free guidance (Ho & Salimans 2022). The text
    encoder trains jointly with the denoiser; AdamW with a linear warmup, then a cosine decay to
    a tenth of the peak (``lr_decay="cosine"``) or a constant lr (``"constant"``: a run of n steps
@@ -198,7 +201,7 @@ def pretrain_base(
     out_dir: str | Path,
     *,
     prompts: list[dict],
-    steps: int = 5000,
+    steps: int = 4800,
     batch_size: int = 64,
     lr: float = 1e-3,
     warmup: int = 200,
@@ -207,7 +210,7 @@ def pretrain_base(
     grad_clip: float = 1.0,
     ema_decay: float = 0.999,
     caption_dropout: float = 0.1,
-    t_mean: float = 0.0,
+    t_mean: float = 1.0986,
     t_std: float = 1.0,
     seed: int = 0,
     image_size: int = 32,

@@ -131,7 +131,8 @@ def rollout_round(
 ) -> RoundRollout:
     """G trajectories for each chosen prompt, sampled as one batch (group-major rows).
 
-    `progress` (a tqdm bar over trajectories) advances by 1/T of the batch per model call.
+    `progress` (a tqdm bar over denoising steps, total = trajectories x T) advances by the
+    batch rows of each model call.
     """
     group_size = cfg.rollout.group_size
     rows = [prompts[i] for i in prompt_indices for _ in range(group_size)]
@@ -145,8 +146,7 @@ def rollout_round(
         generator=noise_gen,
     )  # (N, C, H, W)
     with torch.no_grad():
-        steps = schedule.sigmas.numel() - 1
-        on_call = (lambda rows: progress.update(rows / steps)) if progress is not None else None
+        on_call = progress.update if progress is not None else None
         result = sampling.sample(
             counter.bind(embeds, on_call),
             x_T,
@@ -223,6 +223,19 @@ def clean_estimates(
     return torch.cat(out)
 
 
+def most_nonmonotonic(estimates: Tensor, final: Tensor, limit: int) -> Tensor:
+    """The `limit` trajectories whose reward path wanders most, for the report's figure.
+
+    estimates: (N, K) rewards of the clean-image estimates along the steps; final: (N,) final
+    rewards. A path is [estimates..., final]; its excess variation is its total variation minus
+    its net change (0 when monotonic). Returns the chosen trajectory indices, ascending; ties
+    go to the lower index.
+    """
+    path = torch.cat([estimates, final[:, None]], dim=1).double()  # (N, K+1)
+    excess = path.diff(dim=1).abs().sum(dim=1) - (path[:, -1] - path[:, 0]).abs()
+    return torch.argsort(-excess, stable=True)[:limit].sort().values
+
+
 def score_round(
     backend,
     rollout: RoundRollout,
@@ -259,7 +272,8 @@ def score_round(
             )
 
     all_traj = torch.arange(n)
-    add(rewards(rollout.images, metadata), all_traj, torch.full((n,), rollout.num_steps), "final")
+    final = rewards(rollout.images, metadata)
+    add(final, all_traj, torch.full((n,), rollout.num_steps), "final")
     reward_calls += n
     start = time.perf_counter()
     for estimator in estimators:
@@ -279,9 +293,13 @@ def score_round(
             images = torch.cat(
                 [backend.decode(chunk) for chunk in x0.split(cfg.score.batch_size)]
             )  # (N*K, 3, H, W)
-        add(rewards(images, [metadata[i] for i in traj.tolist()]), traj, state, estimator)
+        values = rewards(images, [metadata[i] for i in traj.tolist()])
+        add(values, traj, state, estimator)
         reward_calls += traj.numel()
-        shown = traj < cfg.score.estimate_images
+        picked = most_nonmonotonic(
+            values["mix"].view(n, boundary.numel()), final["mix"], cfg.score.estimate_images
+        )
+        shown = torch.isin(traj, picked)
         keep_images.append(images[shown])
         keep_keys.append(
             pd.DataFrame(

@@ -31,8 +31,10 @@ def rollout(
         prompts, cfg.rollout.prompts_per_round, seed=cfg.train.seed, round_index=round_index
     )
     n = len(chosen) * cfg.rollout.group_size
+    steps = schedule.sigmas.numel() - 1
     start = time.perf_counter()
-    with tqdm(total=n, unit="traj", desc=f"rollout {round_index}", leave=False) as bar:
+    desc = f"rollout {round_index}: {n} traj x {steps} steps"
+    with tqdm(total=n * steps, unit="step", desc=desc, leave=False) as bar:
         result = rounds.rollout_round(
             policy.backend,
             prompts,

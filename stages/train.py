@@ -1,7 +1,8 @@
 """`train` flow: rounds of rollout -> score -> advantages -> update for one method and seed.
 
 Resumable: each round ends in a checkpoint, and a rerun (`creditflow train` or `dvc repro`, whose
-output is `persist: true`) continues after the newest one. Per-round metrics go to MLflow
+output is `persist: true`) continues after the newest one, unless the run's inputs changed
+(`pipeline.policy.prepare_run`): then it starts again from round 0. Per-round metrics go to MLflow
 (stepped by round) and to `reports/train/<method>-s<seed>/rounds.json` for `dvc plots`.
 """
 
@@ -15,7 +16,7 @@ from pipeline import layout
 from pipeline.config import Config
 from pipeline.flows import call
 from pipeline.io import write_json
-from pipeline.policy import checkpoints, restore
+from pipeline.policy import checkpoints, prepare_run, restore
 from pipeline.tracking import log_metrics
 from pipeline.trajectories import STEPS, list_rounds, round_dir
 from stages.advantages import advantages
@@ -27,6 +28,7 @@ from stages.update import update
 @flow(name="creditflow-train", validate_parameters=False)
 def train(cfg: Config) -> dict[str, float]:
     run = layout.train_run(cfg)
+    prepare_run(cfg, run)
     policy = restore(cfg, run)
     start = max(checkpoints(run / "checkpoints"), default=-1) + 1
     for r in range(start, cfg.train.rounds):

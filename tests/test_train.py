@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.flows import run_stage
 from pipeline.layout import train_run
+from pipeline.policy import INPUTS_FILE, run_inputs
 from pipeline.rewards import REWARDS
-from pipeline.rounds import RoundError
+from pipeline.rounds import RoundError, most_nonmonotonic
 
 
 def brightness(cfg):
@@ -83,6 +84,45 @@ def test_resumed_run_equals_uninterrupted_run(tiny_project):
     assert _curve(report) == straight_curve
 
 
+def test_a_run_resumes_only_from_the_same_inputs(tiny_project, bright, recwarn):
+    """DVC keeps the persist: true run directory: more rounds extend it, other params retrain."""
+    first_cfg, _ = train(tiny_project, [*bright, "train.rounds=1"])
+    run = train_run(first_cfg)
+    round_0 = run / "checkpoints/round-0000/lora.safetensors"
+    first, first_stat = load_file(round_0), round_0.stat()
+
+    train(tiny_project, [*bright, "train.rounds=2"])  # extends: round 0 stays as it was
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0000", "round-0001"]
+    assert (round_0.stat().st_ino, round_0.stat().st_mtime_ns) == (
+        first_stat.st_ino,
+        first_stat.st_mtime_ns,
+    )
+    assert not [w for w in recwarn if "other inputs" in str(w.message)]
+
+    with pytest.warns(RuntimeWarning, match=r"changed: update\.lr\)"):
+        train(tiny_project, [*bright, "train.rounds=1", "update.lr=0.05"])
+    assert [p.name for p in (run / "checkpoints").iterdir()] == ["round-0000"]
+    retrained = load_file(round_0)
+    assert any(not torch.equal(retrained[k], first[k]) for k in first)
+    assert json.loads((run / INPUTS_FILE).read_text())["update.lr"] == "0.05"
+
+
+def test_run_inputs_follow_the_base_model_files_not_the_round_count(tiny_project, tmp_path):
+    import shutil
+
+    cfg = load_config(tiny_project / "params.yaml")
+    model = shutil.copytree(cfg.path(cfg.model.path), tmp_path / "model")
+    cfg = load_config(tiny_project / "params.yaml", [f"model.path={model}"])
+    before = run_inputs(cfg)
+    assert run_inputs(load_config(cfg.params_file, [f"model.path={model}", "train.rounds=99"])) == (
+        before
+    )
+    config = next(model.rglob("config.json"))
+    config.write_text(config.read_text() + " ")
+    after = run_inputs(cfg)
+    assert {k for k in before if before[k] != after[k]} == {"digest.base_model"}
+
+
 def test_nan_reward_stops_the_round_naming_the_trajectory(tiny_project, monkeypatch):
     def broken(cfg):
         def reward(images, metadata):
@@ -97,3 +137,12 @@ def test_nan_reward_stops_the_round_naming_the_trajectory(tiny_project, monkeypa
     with pytest.raises(RoundError, match="trajectory 3 is nan"):
         run_stage("train", cfg)
     assert not (train_run(cfg) / "checkpoints").exists()
+
+
+def test_report_examples_are_the_most_non_monotonic_trajectories():
+    estimates = torch.tensor([[0.0, 1, 2], [0, 1, 0], [2, 0, 2], [1, 1, 1]])
+    final = torch.tensor([3.0, 1, 0, 1])
+    # excess variation (total variation - |net change|) of [estimates, final]: 0, 2, 4, 0
+    assert most_nonmonotonic(estimates, final, 2).tolist() == [1, 2]
+    assert most_nonmonotonic(estimates, final, 3).tolist() == [0, 1, 2]  # tie: lower index
+    assert most_nonmonotonic(estimates, final, 0).tolist() == []
