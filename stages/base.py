@@ -36,10 +36,8 @@ def base(cfg: Config) -> dict[str, float]:
     from pipeline.world import whole_world
 
     world = cfg.world
-    if cfg.base.pool == "world":
-        scenes = whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
-    else:
-        scenes = layout.load_prompts(cfg, "train")
+    world_lines = whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
+    scenes = world_lines if cfg.base.pool == "world" else layout.load_prompts(cfg, "train")
     with atomic_path(cfg.path(cfg.model.path)) as tmp:
         history = pretrain_base(
             tmp, prompts=scenes, image_size=world.image_size, **cfg.base.pretrain_kwargs()
@@ -51,6 +49,7 @@ def base(cfg: Config) -> dict[str, float]:
         lr=cfg.base.clip_lr,
         seed=cfg.base.seed,
         image_size=world.image_size,
+        pool=world_lines,  # captions of the configured world (hard negatives may leave it)
     )
     losses = history["flow_loss"]
     tail = losses[-max(1, len(losses) // 10) :]

@@ -258,3 +258,28 @@ def test_batch_text_negatives_are_wrong_captions_of_the_same_template():
         assert wrong != meta["prompt"] and len(wrong.split()) == len(meta["prompt"].split())
     tagged = {i for i, _ in batch.text_negatives}
     assert tagged == {i for i, m in enumerate(batch.metas) if m["tag"] in sc.TEXT_NEGATIVE_KINDS}
+
+
+def test_base_stage_trains_both_models_on_the_configured_world(project, monkeypatch):
+    import pipeline.pretrain
+    from pipeline.config import load_config
+    from stages.base import base
+
+    seen = {}
+
+    def fake_pretrain(out_dir, *, prompts, **kwargs):
+        out_dir.mkdir(parents=True)
+        seen["flow"] = prompts
+        return {"flow_loss": [1.0, 0.5], "seconds": {"flow": 1.0}, "num_parameters": {"x": 1}}
+
+    def fake_clip(out_dir, *, pool, **kwargs):
+        seen["clip"] = pool
+        return {}
+
+    monkeypatch.setattr(pipeline.pretrain, "pretrain_base", fake_pretrain)
+    monkeypatch.setattr(sc, "train_shapesclip", fake_clip)
+    cfg = load_config(project / "params.yaml", ["world.shapes=[circle, square]"])
+    base.fn(cfg)
+    assert seen["clip"] == seen["flow"]
+    shapes = {c["class"] for m in seen["clip"] for c in m["include"]}
+    assert shapes == {"circle", "square"}
