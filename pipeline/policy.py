@@ -123,19 +123,23 @@ def restore(cfg: Config, run: Path, before_round: int | None = None, backend=Non
 
 
 def file_digest(path: Path) -> str:
-    """sha256 of a directory's (or one file's) files: their relative paths and contents, or for
-    files over 64 MiB their size and mtime (hashing GBs of weights per run start is too slow)."""
+    """One sha256 over a directory's (or one file's) files: each file's relative path and
+    content hash, or for files over 64 MiB its size and mtime (hashing GBs of weights per run
+    start is too slow)."""
+    from pipeline.trajectories import sha256_file
+
     path = Path(path)
-    digest = hashlib.sha256()
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    entries = {}
     for file in files:
-        digest.update(str(file.relative_to(path) if path.is_dir() else file.name).encode())
         stat = file.stat()
-        if stat.st_size > _CONTENT_HASH_LIMIT:
-            digest.update(f"{stat.st_size}:{stat.st_mtime_ns}".encode())
-        else:
-            digest.update(file.read_bytes())
-    return digest.hexdigest()
+        name = file.relative_to(path).as_posix() if path.is_dir() else file.name
+        entries[name] = (
+            f"{stat.st_size}:{stat.st_mtime_ns}"
+            if stat.st_size > _CONTENT_HASH_LIMIT
+            else sha256_file(file)
+        )
+    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
 
 
 def run_inputs(cfg: Config) -> dict[str, str]:

@@ -211,7 +211,8 @@ def round_dir(root: Path, table: str, round: int) -> Path:
     return Path(root) / table / f"round={round}"
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(2**20), b""):
@@ -261,7 +262,7 @@ def _write_round(
                 "name": path.name,
                 "rows": part.num_rows,
                 "bytes": path.stat().st_size,
-                "sha256": _sha256_file(path),
+                "sha256": sha256_file(path),
             }
         )
         paths.append(path)
@@ -348,7 +349,7 @@ def verify_round(root: Path, table: str, round: int) -> None:
     manifest = _load_manifest(directory)
     for entry in manifest["files"]:
         path = directory / entry["name"]
-        if not path.exists() or _sha256_file(path) != entry["sha256"]:
+        if not path.exists() or sha256_file(path) != entry["sha256"]:
             raise TrajectoryCacheError(f"{path} does not match the sha256 in its manifest")
 
 
@@ -401,7 +402,7 @@ def sha256_tree(path: Path) -> dict[str, str]:
     """sha256 of every file under ``path``, keyed by its relative POSIX path."""
     path = Path(path)
     return {
-        file.relative_to(path).as_posix(): _sha256_file(file)
+        file.relative_to(path).as_posix(): sha256_file(file)
         for file in sorted(path.rglob("*"))
         if file.is_file()
     }
