@@ -193,7 +193,7 @@ def write_markdown(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-train", type=int, default=600, help="train prompts (for the split)")
-    parser.add_argument("--n-test", type=int, default=120, help="test prompts asked for")
+    parser.add_argument("--n-test", type=int, default=144, help="test prompts asked for")
     parser.add_argument("--seed", type=int, default=0, help="prompt split and render seed")
     parser.add_argument("--samples", type=int, default=32, help="renders per test prompt")
     parser.add_argument("--size", type=int, default=32, help="image size (px)")

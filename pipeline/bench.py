@@ -55,6 +55,19 @@ def read_training_runs(reports: Path, methods: list[str], seeds: list[int]) -> R
     return runs
 
 
+def read_probe_runs(reports: Path, methods: list[str], seeds: list[int]) -> Runs:
+    """`reports/train/<method>-s<seed>/probe.json` (the held-out probe curve) of every run that
+    has one: rows of rounds, nfe, seconds and `probe/*`, in round order."""
+    runs: Runs = {}
+    for method in methods:
+        for seed in seeds:
+            path = Path(reports) / "train" / f"{method}-s{seed}" / "probe.json"
+            if path.is_file() and (rows := json.loads(path.read_text())):
+                frame = pd.DataFrame(rows).sort_values("rounds", kind="stable")
+                runs.setdefault(method, {})[seed] = frame.reset_index(drop=True)
+    return runs
+
+
 def running_mean(values: np.ndarray, window: int = SMOOTHING) -> np.ndarray:
     """Trailing mean over the last `window` entries of the last axis (fewer at the start).
 

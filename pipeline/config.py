@@ -49,26 +49,55 @@ class ConfigError(CreditflowError, ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and NaN are never a sensible knob (`update.lr=.inf` would train NaN weights)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class WorldParams(Section):
     """ShapesWorld: what scenes look like."""
 
     image_size: PositiveInt = 32  # pixels per side
-    shapes: list[str] = ["circle", "square", "triangle"]
+    shapes: list[str] = ["circle", "square", "triangle", "cross", "star", "diamond"]
     colors: list[str] = [
         "red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white",
     ]  # fmt: skip
     max_count: Annotated[int, Field(ge=1, le=4)] = 4  # largest count in counting prompts
+
+    @field_validator("shapes")
+    @classmethod
+    def _known_shapes(cls, shapes: list[str]) -> list[str]:
+        from pipeline.world import SHAPE_NAMES
+
+        unknown = [s for s in shapes if s not in SHAPE_NAMES]
+        if unknown or len(set(shapes)) != len(shapes) or len(shapes) < 2:
+            raise ValueError(
+                f"expected two or more distinct shapes of {', '.join(SHAPE_NAMES)}, got {shapes}"
+            )
+        return shapes
 
 
 class PromptsParams(Section):
     """`prompts` stage: GenEval-format train/test prompt sets."""
 
     n_train: PositiveInt = 600
-    n_test: PositiveInt = 120  # spread evenly over the six tags
+    n_test: PositiveInt = 144  # spread evenly over the six tags
     seed: int = 0
+    # training lines per tag, in proportion (Flow-GRPO's GenEval mix by default)
+    mix: dict[Tag, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {
+        "single_object": 0.0,
+        "two_object": 1.0,
+        "counting": 5.0,
+        "colors": 1.0,
+        "position": 7.0,
+        "color_attr": 3.0,
+    }
+
+    @field_validator("mix")
+    @classmethod
+    def _mix_has_weight(cls, mix: dict[str, float]) -> dict[str, float]:
+        if sum(mix.values()) <= 0:
+            raise ValueError("the tag weights must have a positive sum")
+        return mix
 
 
 class ModelParams(Section):
@@ -148,6 +177,14 @@ class RolloutParams(Section):
     window_end: int = -1  # one past the last stochastic step; -1 = all but the final step
     shared_noise: bool = False  # all samples of a group start from the same x_T
 
+    @field_validator("eta")
+    @classmethod
+    def _eta_in_range(cls, eta: dict[str, float]) -> dict[str, float]:
+        for kind in ("cps", "stepwise"):  # their std is a share of sigma_next
+            if eta.get(kind, 0.0) > 1:
+                raise ValueError(f"eta.{kind} must be in [0, 1], got {eta[kind]}")
+        return eta
+
 
 class ScoreParams(Section):
     """`score` stage: rewards of clean-image estimates of cached states."""
@@ -202,14 +239,20 @@ class TrainParams(Section):
     methods: list[Method] = ["flow_grpo", "stepwise", "tp_grpo"]  # the DVC matrix
     seeds: list[int] = [0, 1]  # the DVC matrix
     seed: int = 0
-    rounds: PositiveInt = 10
+    rounds: PositiveInt = 10  # rounds per run (the cap when nfe_budget is set)
+    # equal compute: stop a run once its training NFEs reach this many (0 = off)
+    nfe_budget: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0
     keep_rollouts: Annotated[int, Field(ge=0)] = 3  # newest rounds whose states stay; 0 = all
+    # held-out probe: GenEval on the test prompts every `eval_every` rounds (0 = off), before
+    # round 0 and after the last round too; `probe_images` fixed-seed images per test prompt
+    eval_every: Annotated[int, Field(ge=0)] = 5
+    probe_images: PositiveInt = 2
 
 
 class EvaluateParams(Section):
     """`evaluate` stage: GenEval protocol on the test prompts."""
 
-    images_per_prompt: PositiveInt = 16
+    images_per_prompt: PositiveInt = 8
     seed: int = 1234
     batch_size: PositiveInt = 64
 

@@ -67,9 +67,18 @@ def judge(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
     return results
 
 
-def geneval_protocol(backend, metadata: Sequence[dict], cfg) -> tuple[Tensor, list[dict], dict]:
-    """`evaluate.images_per_prompt` fixed-seed images per test prompt; verdicts; summary."""
-    per_prompt = cfg.evaluate.images_per_prompt
+def geneval_protocol(
+    backend,
+    metadata: Sequence[dict],
+    cfg,
+    *,
+    images_per_prompt: int | None = None,
+    desc: str = "evaluate",
+) -> tuple[Tensor, list[dict], dict]:
+    """Fixed-seed evaluation-sampler images per test prompt (`evaluate.images_per_prompt` unless
+    given), their verdicts and the summary. The seeds depend only on `evaluate.seed` and the
+    image's place in the list, so every policy is judged on the same initial noise."""
+    per_prompt = images_per_prompt or cfg.evaluate.images_per_prompt
     rows = [meta for meta in metadata for _ in range(per_prompt)]
     seeds = [cfg.evaluate.seed * 100_003 + i for i in range(len(rows))]
     images = generate(
@@ -80,6 +89,7 @@ def geneval_protocol(backend, metadata: Sequence[dict], cfg) -> tuple[Tensor, li
         shift=cfg.sampling.shift,
         guidance=cfg.sampling.guidance,
         batch_size=cfg.evaluate.batch_size,
+        desc=desc,
     )
     results = judge(images, rows)
     return images, results, summarize(results)

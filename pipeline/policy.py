@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import shutil
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,9 +30,17 @@ from pipeline.io import atomic_path, write_json
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
 INPUTS_FILE = "inputs.json"
 # Config a run's rounds depend on; train.rounds and train.keep_rollouts are left out, so that
-# raising the round count extends a finished run.
+# raising the round count extends a finished run, and so are the settings that only change
+# speed or what is kept for the report, so that tuning them resumes the run.
 _RUN_SECTIONS = ("model", "sampling", "rollout", "score", "advantages", "update")
 _RUN_KEYS = ("train.method", "train.seed")
+_SPEED_KEYS = (
+    "model.device",
+    "score.batch_size",
+    "score.reward_batch_size",
+    "score.estimate_images",
+)
+REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart
 _CONTENT_HASH_LIMIT = 64 * 2**20  # bytes; larger files (SD3.5 weights) go by size and mtime
 
 
@@ -151,7 +160,7 @@ def run_inputs(cfg: Config) -> dict[str, str]:
     inputs = {
         key: json.dumps(value, sort_keys=True)
         for key, value in flat.items()
-        if key.split(".")[0] in _RUN_SECTIONS or key in _RUN_KEYS
+        if (key.split(".")[0] in _RUN_SECTIONS or key in _RUN_KEYS) and key not in _SPEED_KEYS
     }
     for name, path in [
         ("base_model", cfg.path(cfg.model.path)),
@@ -162,9 +171,11 @@ def run_inputs(cfg: Config) -> dict[str, str]:
 
 
 def prepare_run(cfg: Config, run: Path) -> None:
-    """Keep `run` for resuming when it was made from these inputs; otherwise empty it (warning
-    what changed when it held checkpoints) so that training starts at round 0. Records the
-    inputs in `run/inputs.json`."""
+    """Keep `run` for resuming when it was made from these inputs; otherwise move it aside to
+    `<runs>/.replaced/<run>-<time>` (warning what changed and where it went when it held
+    checkpoints) so that training starts at round 0. Records the inputs in `run/inputs.json`.
+    Call it only once the backend has loaded: a command that then fails must not have moved a
+    finished run."""
     run = Path(run)
     inputs = run_inputs(cfg)
     record = run / INPUTS_FILE
@@ -179,12 +190,20 @@ def prepare_run(cfg: Config, run: Path) -> None:
                              if inputs.get(k) != recorded.get(k))  # fmt: skip
             more = len(changed) - 6
             why = "changed: " + ", ".join(changed[:6]) + (f" and {more} more" if more > 0 else "")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = run.parent / REPLACED_DIR / f"{run.name}-{stamp}"
+        for n in range(2, 1000):  # two restarts within a second
+            if not aside.exists():
+                break
+            aside = aside.with_name(f"{run.name}-{stamp}-{n}")
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        run.rename(aside)
         warnings.warn(
             f"{run.name}: its checkpoints were trained from other inputs ({why}); "
-            "training again from round 0",
+            f"training again from round 0 (the old run is kept in {aside})",
             RuntimeWarning,
             stacklevel=2,
         )
-    if run.exists():
+    elif run.exists():  # no finished round: nothing to keep
         shutil.rmtree(run)
     write_json(record, inputs)

@@ -136,9 +136,9 @@ def _default_render() -> RenderBatch:
 
 def _world_prompts() -> list[str]:
     """Every prompt of the default world, so that the vocabulary covers held-out prompts."""
-    from pipeline.world import whole_world
+    from pipeline.world import world_prompts
 
-    return [m["prompt"] for m in whole_world()]
+    return world_prompts()
 
 
 def _batches(

@@ -209,6 +209,99 @@ def plot_learning_curves(runs: Runs, path: Path, target: float | None = None) ->
     _save(fig, path)
 
 
+def t_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """Student-t confidence interval of the mean over axis 0: values (S, ...) -> (low, high),
+    each (...); with one seed both equal the value (no interval)."""
+    from scipy import stats
+
+    values = np.asarray(values, dtype=np.float64)
+    mean, n = values.mean(axis=0), values.shape[0]
+    if n < 2:
+        return mean, mean
+    half = stats.t.ppf(0.5 + confidence / 2, n - 1) * values.std(axis=0, ddof=1) / math.sqrt(n)
+    return mean - half, mean + half
+
+
+def plot_probe_curves(probes: Runs, path: Path) -> None:
+    """Held-out probe GenEval (`probe/geneval`, test prompts, evaluation sampler) against rounds,
+    cumulative training NFEs and seconds: per method the mean over seeds, shaded its 95 %
+    t-interval over seeds. NFEs and seconds are the mean over seeds at each probe."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6), sharey=True)
+    for ax, x_column, x_label in zip(
+        axes,
+        ("rounds", "nfe", "seconds"),
+        ("rounds trained", "training NFEs", "training seconds"),
+        strict=True,
+    ):
+        drawn = False
+        for method, seeds in probes.items():
+            values = seed_matrix(seeds, "probe/geneval")  # (S, P)
+            x = seed_matrix(seeds, x_column)
+            if values is None or x is None:
+                continue
+            low, high = t_interval(values)
+            color = COLORS.get(method)
+            label = f"{method} ({values.shape[0]} seed{'s' * (values.shape[0] > 1)})"
+            ax.plot(x.mean(axis=0), values.mean(axis=0), color=color, label=label, lw=1.6)
+            ax.fill_between(x.mean(axis=0), low, high, color=color, alpha=0.2)
+            drawn = True
+        if not drawn:
+            _no_data(ax, "no probe curve (train.eval_every = 0?)")
+            continue
+        ax.set_xlabel(x_label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("held-out GenEval (probe)")
+    fig.suptitle("Held-out learning curves (line: mean over seeds, band: 95 % CI)", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# claims with uncertainty
+
+
+def geneval_overall(accuracy: np.ndarray, tags: np.ndarray) -> np.ndarray:
+    """GenEval overall from per-prompt accuracy: the mean over tags of the mean over the tag's
+    prompts. accuracy: (..., P); tags: (P,) tag ids -> (...)."""
+    return np.stack([accuracy[..., tags == t].mean(axis=-1) for t in np.unique(tags)]).mean(0)
+
+
+def bootstrap_difference(
+    a: np.ndarray, b: np.ndarray, tags: np.ndarray, *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, tuple[float, float]]:
+    """GenEval overall of A minus B, with a 95 % percentile-bootstrap CI over seeds and prompts.
+
+    a: (S_a, P), b: (S_b, P) per-seed per-prompt accuracy of the two methods on the same P
+    prompts (same order); tags: (P,) each prompt's tag id. The point estimate averages over
+    seeds. Each replicate redraws each method's seeds (independent training runs) and, within
+    each tag, the prompts, the same for both methods (a paired comparison), so the CI covers
+    both the seed-to-seed and the prompt-to-prompt variation.
+    """
+    a, b, tags = np.asarray(a, float), np.asarray(b, float), np.asarray(tags)
+    diff = float(geneval_overall(a.mean(0), tags) - geneval_overall(b.mean(0), tags))
+    rng = np.random.default_rng(seed)
+    by_tag = [np.flatnonzero(tags == t) for t in np.unique(tags)]
+    replicates = np.empty(n_boot)
+    for i in range(n_boot):
+        prompts = np.concatenate([rng.choice(idx, size=idx.size) for idx in by_tag])
+        mean_a = a[rng.integers(len(a), size=len(a))][:, prompts].mean(0)
+        mean_b = b[rng.integers(len(b), size=len(b))][:, prompts].mean(0)
+        replicates[i] = geneval_overall(mean_a - mean_b, tags[prompts])
+    low, high = np.percentile(replicates, [2.5, 97.5])
+    return diff, (float(low), float(high))
+
+
+def claim_text(name: str, claim: Mapping | None) -> str:
+    """One line: the difference, its CI and whether the CI excludes 0."""
+    if claim is None:
+        return f"{name}: not measured"
+    low, high = claim["ci95"]
+    word = "separated" if claim["separated"] else "not separated (the CI covers 0)"
+    return f"{name}: {claim['diff']:+.3f} (95 % CI {low:+.3f} to {high:+.3f}), {word}"
+
+
 # ---------------------------------------------------------------------------------------------
 # credit diagnostics
 
@@ -639,6 +732,14 @@ def readme(
         parts += ["Sample grids: " + " · ".join(samples), ""]
     parts += [
         "## Learning curves",
+        "",
+        "Held-out: GenEval of a fixed probe of the test prompts (`train.probe_images` images per",
+        "prompt, evaluation sampler, same initial noise for every policy) every `train.eval_every`",
+        "rounds, against rounds, NFEs and seconds spent training.",
+        "",
+        "![held-out probe curves](figures/probe_curves.png)",
+        "",
+        "Training reward (a diagnostic: it follows which prompts a round drew):",
         "",
         "![learning curves](figures/learning_curves.png)",
         "",

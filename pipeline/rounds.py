@@ -11,6 +11,7 @@ deterministic ODE step, the completion of b_K *is* the final image, so column K 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from pipeline import credit, sampling
 from pipeline.config import Config, CreditflowError
-from pipeline.grpo import UpdateBatch, UpdateSettings, grpo_update
+from pipeline.grpo import UpdateBatch, UpdateSettings, grpo_update, lora_state_dict
 from pipeline.rewards import RewardMix
 from pipeline.trajectories import RoundRollout
 
@@ -157,6 +158,13 @@ def rollout_round(
             generator=noise_gen,
         )
         images = backend.decode(result.final)
+    # log-probs are NaN off the window by design; a non-finite state or image is what breaks
+    for what, values in (("state", result.states), ("image", images)):
+        if not torch.isfinite(values).all():
+            raise RoundError(
+                f"rollout: non-finite {what} in round {round_index} (the policy's weights or "
+                "model.dtype?); nothing was cached"
+            )
     n = len(rows)
     return RoundRollout(
         run_id=run_id,
@@ -441,7 +449,24 @@ def update_round(
     metrics = grpo_update(
         backend, optimizer, batch, settings, generator=generator(seed, round_index, "update")
     )
+    check_update_finite(backend, metrics, round_index)
     # Forward passes per sample: CFG doubles each, the KL reference adds one more of each.
     per_pair = (1 if settings.guidance == 1 else 2) * (2 if settings.kl_beta > 0 else 1)
     pairs = advantages.numel() * settings.inner_epochs
     return metrics | {"cost/update_nfe": float(pairs * per_pair)}
+
+
+def check_update_finite(backend, metrics: dict[str, float], round_index: int) -> None:
+    """Raise RoundError naming what went non-finite in an update (loss, gradient norm or a LoRA
+    weight), before anything is checkpointed."""
+    bad = [name for name in ("train/loss", "train/grad_norm") if not math.isfinite(metrics[name])]
+    bad += [
+        f"LoRA weight {name}"
+        for name, weight in lora_state_dict(backend.transformer).items()
+        if not torch.isfinite(weight).all()
+    ][:3]
+    if bad:
+        raise RoundError(
+            f"update: non-finite {', '.join(bad)} in round {round_index} (update.lr too high?); "
+            "nothing was checkpointed"
+        )

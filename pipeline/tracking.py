@@ -45,6 +45,9 @@ def configure_environment(root: Path) -> None:
         # Tasks called outside a flow (tests, single stages) have no flow run to attach logs to.
         "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
         "PREFECT_UI_ENABLED": "false",
+        # A fresh PREFECT_HOME migrates its database first; Prefect's 20 s default is too short
+        # for that on a loaded 2-core machine (the temporary server then fails to start).
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     }
     for key, value in defaults.items():
         os.environ.setdefault(key, value)

@@ -317,7 +317,8 @@ def _load_manifest(directory: Path) -> dict:
 
 
 def _complete_files(root: Path, table: str, round: int) -> list[Path]:
-    """Files of a complete round, each checked against the manifest size and its schema version."""
+    """Files of a complete round, each checked against the manifest (size, then sha256 of every
+    byte: same-size corruption is caught on read) and its schema version."""
     directory = round_dir(root, table, round)
     manifest = _load_manifest(directory)
     paths = []
@@ -339,18 +340,12 @@ def _complete_files(root: Path, table: str, round: int) -> list[Path]:
             raise TrajectoryCacheError(
                 f"{path} has schema version {version!r}; this code reads version {SCHEMA_VERSION}"
             )
+        if sha256_file(path) != entry["sha256"]:
+            raise TrajectoryCacheError(
+                f"{path} does not match the sha256 in its manifest: corrupted on disk"
+            )
         paths.append(path)
     return paths
-
-
-def verify_round(root: Path, table: str, round: int) -> None:
-    """Check every file of a round against the sha256 in its manifest (reads all bytes)."""
-    directory = round_dir(root, table, round)
-    manifest = _load_manifest(directory)
-    for entry in manifest["files"]:
-        path = directory / entry["name"]
-        if not path.exists() or sha256_file(path) != entry["sha256"]:
-            raise TrajectoryCacheError(f"{path} does not match the sha256 in its manifest")
 
 
 def list_rounds(root: Path, table: str = STEPS) -> list[int]:

@@ -1,7 +1,9 @@
 """ShapesWorld: a CPU-sized text-to-image world with GenEval's six tags.
 
 Prompts are GenEval metadata lines (Ghosh et al. 2023, `prompts/create_prompts.py` templates)
-over a few flat shapes and GenEval's ten color names. `render` draws a scene that satisfies a
+over six flat shapes and GenEval's ten color names, each scene in four wordings (TEMPLATES) and,
+with two objects, both orders; `make_prompts` holds out whole scenes for the test split and
+mixes the training tags by weight. `render` draws a scene that satisfies a
 line: shapes of random size, tilt and position on a mid-grey background, never
 overlapping, inside the canvas, and with position relations holding by GenEval's rule with a
 safety margin. Anti-aliasing: coverage = clip(0.5 - signed distance, 0, 1) per pixel centre.
@@ -35,15 +37,22 @@ __all__ = [
     "canonical_key",
     "corrupt",
     "degrade",
+    "TEMPLATES",
     "make_prompts",
     "prompt_for",
     "prompt_pool",
+    "random_variant",
     "read_prompts",
     "render",
     "render_batch",
     "sample_metadata",
     "shape_coverage",
+    "split_counts",
+    "template_of",
     "validate_metadata",
+    "variants",
+    "whole_world",
+    "world_prompts",
     "write_prompts",
 ]
 
@@ -62,69 +71,83 @@ COLORS: dict[str, tuple[float, float, float]] = {
     "white": (0.98, 0.98, 0.98),
 }
 BACKGROUND = (0.5, 0.5, 0.5)  # neutral mid grey, none of the ten colors
-SHAPES = ("circle", "square", "triangle")  # the default world; "cross" is a 4th option
+SHAPES = ("circle", "square", "triangle", "cross", "star", "diamond")  # the default world
 NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five")
 OPPOSITE = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
 MAX_OBJECTS = 5  # enough for counting's "one too many" corruption of a four-object scene
+# Prompt templates: GenEval's "a photo of" first. Every scene is asked for in each wording, so a
+# six-class world still has two dozen distinct single-object prompts to hold out.
+TEMPLATES = ("a photo of", "a picture of", "an image of", "a drawing of")
 
-# Geometry per shape for nominal size s (px): a regular polygon with `sides` (0: circle, -1:
-# plus-shaped cross), circumradius (cross: arm length) `radius * s`, first vertex at
-# `first_vertex` (radians, 0 = +x, y down) when unrotated. The radii make the areas alike
-# (0.64-0.83 s^2, see `shape_area`).
-_GEOMETRY = {
-    "circle": {"sides": 0, "radius": 0.5, "first_vertex": 0.0},
-    "square": {"sides": 4, "radius": 0.9 / math.sqrt(2), "first_vertex": math.pi / 4},
-    "triangle": {"sides": 3, "radius": 0.7, "first_vertex": -math.pi / 2},
-    "cross": {"sides": -1, "radius": 0.62, "first_vertex": 0.0},
+
+def _regular_polygon(sides: int, radius: float, first_vertex: float) -> np.ndarray:
+    """(sides, 2) vertices (x, y) on a circle of `radius`, the first at angle `first_vertex`."""
+    phis = first_vertex + 2 * math.pi * np.arange(sides) / sides
+    return radius * np.stack([np.cos(phis), np.sin(phis)], axis=1)
+
+
+def _star_pieces(points: int, outer: float, inner: float) -> list[np.ndarray]:
+    """A star pointing up as convex pieces: the inner polygon and one triangle per point."""
+    up = -math.pi / 2  # y grows downward
+    tips = _regular_polygon(points, outer, up)
+    notches = _regular_polygon(points, inner, up + math.pi / points)
+    return [notches] + [np.stack([tips[k], notches[k], notches[k - 1]]) for k in range(points)]
+
+
+_CROSS_ARM = 0.32  # cross arm half-width / half-length
+_CROSS_RADIUS = 0.62
+# Each shape at nominal size 1: None for the circle (radius 0.5), else a union of convex
+# polygons (local (x, y) vertices, y down, centred on the origin). Sizes make the areas alike
+# (0.64-0.83 s^2, see `shape_area`); the silhouettes stay apart under any rotation, blur and
+# the detector's soft-IoU matching (soft IoU between two classes' best alignment <= 0.86, the
+# circle-square pair; the others <= 0.80; tested), which is why there is no hexagon or pentagon
+# (too close to the circle at 8 px).
+_PIECES: dict[str, list[np.ndarray] | None] = {
+    "circle": None,
+    "square": [_regular_polygon(4, 0.9 / math.sqrt(2), math.pi / 4)],
+    "triangle": [_regular_polygon(3, 0.7, -math.pi / 2)],
+    "cross": [  # a plus sign: two bars 2R x 2wR
+        np.array([[x, y] for x, y in ((1, 1), (1, -1), (-1, -1), (-1, 1))])
+        * _CROSS_RADIUS
+        * np.array(scale)
+        for scale in ((1.0, _CROSS_ARM), (_CROSS_ARM, 1.0))
+    ],
+    "star": _star_pieces(5, 0.72, 0.36),
+    "diamond": [np.array([[0.0, -0.72], [0.45, 0.0], [0.0, 0.72], [-0.45, 0.0]])],
 }
+_CIRCLE_RADIUS = 0.5
 # Rotational symmetry period (radians) of each shape; 0 for the circle, which looks the same at
 # every rotation. The detector matches templates over a whole period.
-SYMMETRY = {"circle": 0.0, "square": math.pi / 2, "triangle": 2 * math.pi / 3, "cross": math.pi / 2}
+SYMMETRY = {
+    "circle": 0.0,
+    "square": math.pi / 2,
+    "triangle": 2 * math.pi / 3,
+    "cross": math.pi / 2,
+    "star": 2 * math.pi / 5,
+    "diamond": math.pi,
+}
 # Renders tilt each shape by a uniform angle within +-ROTATION_JITTER of its upright pose (capped
 # at half its symmetry period). Upright-ish shapes are what a 2-3M-parameter denoiser can learn to
 # draw sharply in 30 CPU-minutes; measured in reports/base/choice.md.
 ROTATION_JITTER = math.radians(15)
-_CROSS_ARM = 0.32  # cross arm half-width / half-length
-SHAPE_NAMES = tuple(_GEOMETRY)  # every shape the world can draw
+SHAPE_NAMES = tuple(_PIECES)  # every shape the world can draw
 
 
-def shape_area(shape: str, size: float) -> float:
-    """Area (px^2) of `shape` at nominal size `size`."""
-    geom = _GEOMETRY[shape]
-    radius = geom["radius"] * size
-    if geom["sides"] == 0:
-        return math.pi * radius**2
-    if geom["sides"] == -1:  # plus sign: two bars 2R x 2wR minus their overlap
-        half_width = _CROSS_ARM * radius
-        return 2 * (2 * radius) * (2 * half_width) - (2 * half_width) ** 2
-    n = geom["sides"]
-    return 0.5 * n * radius**2 * math.sin(2 * math.pi / n)
+def _half_planes(polygon: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Outward unit normals (V, 2) and offsets (V,) of a convex polygon's edges: a point p is
+    inside iff normals @ p <= offsets for every edge."""
+    edges = np.roll(polygon, -1, axis=0) - polygon
+    normals = np.stack([edges[:, 1], -edges[:, 0]], axis=1)
+    normals /= np.linalg.norm(normals, axis=1, keepdims=True)
+    offsets = (normals * polygon).sum(axis=1)
+    inward = normals @ polygon.mean(axis=0) > offsets  # the centroid must be inside
+    normals[inward], offsets[inward] = -normals[inward], -offsets[inward]
+    return normals, offsets
 
 
-def shape_reach(shape: str, size: float) -> float:
-    """Circumradius (px): the farthest point of the shape from its centre."""
-    radius = _GEOMETRY[shape]["radius"] * size
-    return radius * math.hypot(1.0, _CROSS_ARM) if shape == "cross" else radius
-
-
-def shape_vertices(shape: str, cx: float, cy: float, size: float, angle: float) -> np.ndarray:
-    """(V, 2) outline points (x, y) whose bounding box is the shape's exact bounding box."""
-    geom = _GEOMETRY[shape]
-    radius = geom["radius"] * size
-    if geom["sides"] == 0:
-        return np.array([[cx - radius, cy - radius], [cx + radius, cy + radius]])
-    if geom["sides"] == -1:
-        h = _CROSS_ARM * radius
-        local = np.array(
-            [[radius, h], [radius, -h], [-radius, h], [-radius, -h]]
-            + [[h, radius], [-h, radius], [h, -radius], [-h, -radius]]
-        )
-    else:
-        n = geom["sides"]
-        phis = geom["first_vertex"] + 2 * math.pi * np.arange(n) / n
-        local = radius * np.stack([np.cos(phis), np.sin(phis)], axis=1)
-    rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
-    return local @ rot.T + np.array([cx, cy])
+_HALF_PLANES = {
+    name: [_half_planes(p) for p in pieces] for name, pieces in _PIECES.items() if pieces
+}
 
 
 def shape_coverage(
@@ -134,31 +157,64 @@ def shape_coverage(
 
     dx, dy: pixel-centre offsets from the shape centre, broadcastable (e.g. (h, w)).
     angle: rotation in radians, scalar or broadcastable (e.g. (R, 1, 1) for R rotations).
-    Returns clip(0.5 - d, 0, 1) with d the signed distance (exact inside, a lower bound near
-    polygon corners outside), shaped like the broadcast of the inputs.
+    Returns clip(0.5 - d, 0, 1) with d the signed distance: for a union of convex pieces, the
+    min over pieces of the max over edges of the half-plane distance (exact inside a piece, a
+    lower bound near corners outside), shaped like the broadcast of the inputs.
     """
-    geom = _GEOMETRY[shape]
-    radius = geom["radius"] * size
     angle = np.asarray(angle, dtype=np.float64)
-    if geom["sides"] == 0:
-        dist = np.sqrt(dx**2 + dy**2) - radius + 0 * angle
-    elif geom["sides"] == -1:
-        # rotate into the shape's frame, then the union (min) of two bars
-        u = dx * np.cos(angle) + dy * np.sin(angle)
-        v = -dx * np.sin(angle) + dy * np.cos(angle)
-        h = _CROSS_ARM * radius
-        bar_x = np.maximum(np.abs(u) - radius, np.abs(v) - h)
-        bar_y = np.maximum(np.abs(u) - h, np.abs(v) - radius)
-        dist = np.minimum(bar_x, bar_y)
-    else:
-        n = geom["sides"]
-        apothem = radius * math.cos(math.pi / n)
-        dist = None
-        for k in range(n):  # convex polygon: max over edges of the half-plane distance
-            normal = angle + geom["first_vertex"] + math.pi / n + 2 * math.pi * k / n
-            edge = dx * np.cos(normal) + dy * np.sin(normal) - apothem
-            dist = edge if dist is None else np.maximum(dist, edge)
+    if _PIECES[shape] is None:
+        dist = np.sqrt(dx**2 + dy**2) - _CIRCLE_RADIUS * size + 0 * angle
+        return np.clip(0.5 - dist, 0.0, 1.0)
+    # rotate the offsets into the shape's own frame
+    u = dx * np.cos(angle) + dy * np.sin(angle)
+    v = -dx * np.sin(angle) + dy * np.cos(angle)
+    dist = None
+    for normals, offsets in _HALF_PLANES[shape]:
+        piece = None
+        for (nx, ny), offset in zip(normals, offsets, strict=True):
+            edge = nx * u + ny * v - offset * size
+            piece = edge if piece is None else np.maximum(piece, edge)
+        dist = piece if dist is None else np.minimum(dist, piece)
     return np.clip(0.5 - dist, 0.0, 1.0)
+
+
+@functools.cache
+def _unit_area(shape: str) -> float:
+    """Area at nominal size 1, from the anti-aliased coverage of a 400 px rendering (within
+    0.5 % of the exact area: the star's notches are the largest error)."""
+    size = 400.0
+    grid = np.arange(-size, size) + 0.5
+    return float(shape_coverage(shape, grid[None, :], grid[:, None], size, 0.0).sum()) / size**2
+
+
+def shape_area(shape: str, size: float) -> float:
+    """Area (px^2) of `shape` at nominal size `size`."""
+    return _unit_area(shape) * size**2
+
+
+def _outline(shape: str) -> np.ndarray:
+    """(V, 2) vertices of every piece at nominal size 1 (a circle: its bounding box corners)."""
+    pieces = _PIECES[shape]
+    if pieces is None:
+        r = _CIRCLE_RADIUS
+        return np.array([[-r, -r], [r, r]])
+    return np.concatenate(pieces)
+
+
+def shape_reach(shape: str, size: float) -> float:
+    """Circumradius (px): the farthest point of the shape from its centre."""
+    if _PIECES[shape] is None:
+        return _CIRCLE_RADIUS * size
+    return float(np.linalg.norm(_outline(shape), axis=1).max()) * size
+
+
+def shape_vertices(shape: str, cx: float, cy: float, size: float, angle: float) -> np.ndarray:
+    """(V, 2) outline points (x, y) whose bounding box is the shape's exact bounding box."""
+    local = _outline(shape) * size
+    if _PIECES[shape] is None:
+        return local + np.array([cx, cy])
+    rot = np.array([[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]])
+    return local @ rot.T + np.array([cx, cy])
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -168,27 +224,41 @@ def _article(word: str) -> str:
     return f"an {word}" if word[0] in "aeiou" else f"a {word}"
 
 
-def prompt_for(meta: Mapping) -> str:
-    """GenEval's prompt template for a metadata line."""
+def template_of(meta: Mapping) -> int:
+    """Index in TEMPLATES of the wording a line's prompt starts with (0 when none matches)."""
+    prompt = meta.get("prompt", "")
+    return next((i for i, t in enumerate(TEMPLATES) if prompt.startswith(t + " ")), 0)
+
+
+def prompt_for(meta: Mapping, template: int = 0) -> str:
+    """GenEval's prompt for a metadata line, in wording `template` (TEMPLATES; 0 = GenEval's)."""
     tag, inc = meta["tag"], meta["include"]
+    lead = TEMPLATES[template]
     if tag == "single_object":
-        return f"a photo of {_article(inc[0]['class'])}"
+        return f"{lead} {_article(inc[0]['class'])}"
     if tag == "two_object":
-        return f"a photo of {_article(inc[0]['class'])} and {_article(inc[1]['class'])}"
+        return f"{lead} {_article(inc[0]['class'])} and {_article(inc[1]['class'])}"
     if tag == "counting":
-        return f"a photo of {NUMBER_WORDS[inc[0]['count']]} {inc[0]['class']}s"
+        return f"{lead} {NUMBER_WORDS[inc[0]['count']]} {inc[0]['class']}s"
     if tag == "colors":
-        return f"a photo of {_article(inc[0]['color'])} {inc[0]['class']}"
+        return f"{lead} {_article(inc[0]['color'])} {inc[0]['class']}"
     if tag == "position":  # include[1] stands in relation to include[0]
         relation = inc[1]["position"][0]
-        return f"a photo of {_article(inc[1]['class'])} {relation} {_article(inc[0]['class'])}"
+        return f"{lead} {_article(inc[1]['class'])} {relation} {_article(inc[0]['class'])}"
     first, second = (f"{_article(c['color'])} {c['class']}" for c in inc)
-    return f"a photo of {first} and {second}"
+    return f"{lead} {first} and {second}"
 
 
-def _line(tag: str, include: list[dict], exclude: list[dict] | None = None) -> dict:
+def _line(
+    tag: str, include: list[dict], exclude: list[dict] | None = None, template: int = 0
+) -> dict:
     meta = {"tag": tag, "include": include, "exclude": exclude or []}
-    return {"tag": tag, "prompt": prompt_for(meta), "include": include, "exclude": meta["exclude"]}
+    return {
+        "tag": tag,
+        "prompt": prompt_for(meta, template),
+        "include": include,
+        "exclude": meta["exclude"],
+    }
 
 
 def prompt_pool(
@@ -198,11 +268,11 @@ def prompt_pool(
     colors: Sequence[str] = tuple(COLORS),
     max_count: int = 4,
 ) -> list[dict]:
-    """Every distinct prompt of a tag, one per canonical key (see `canonical_key`).
+    """Every distinct scene of a tag, one line per canonical key (see `canonical_key`), worded
+    with GenEval's template; `variants` gives its other wordings and object orders.
 
-    Sizes with 3 shapes, 10 colors, max_count 4: single_object 3, two_object 3, counting 9
-    (GenEval counts 2..max_count), colors 30, position 12, color_attr 270. Pairs appear in one
-    object order; `swap_order` gives the other.
+    Sizes with 6 shapes, 10 colors, max_count 4: single_object 6, two_object 15, counting 18
+    (GenEval counts 2..max_count), colors 60, position 60, color_attr 1350.
     """
     pairs = [(a, b) for i, a in enumerate(shapes) for b in shapes[i + 1 :]]
     if tag == "single_object":
@@ -237,20 +307,43 @@ def prompt_pool(
     raise ValueError(f"unknown tag {tag!r}; expected one of {TAGS}")
 
 
-def swap_order(meta: Mapping) -> dict:
+def swap_order(meta: Mapping, template: int | None = None) -> dict:
     """The same scene described with its two objects in the other order ("a circle left of a
-    square" <-> "a square right of a circle"); lines with one clause come back unchanged."""
+    square" <-> "a square right of a circle"), in the line's wording unless `template` is
+    given; lines with one clause keep their order."""
+    template = template_of(meta) if template is None else template
     inc = [dict(c) for c in meta["include"]]
+    exclude = [dict(c) for c in meta.get("exclude", [])]
     if len(inc) != 2:
-        return _line(meta["tag"], inc, [dict(c) for c in meta.get("exclude", [])])
+        return _line(meta["tag"], inc, exclude, template)
     if meta["tag"] == "position":
         relation = inc[1].pop("position")[0]
         inc[0]["position"] = [OPPOSITE[relation], 0]
-    return _line(meta["tag"], [inc[1], inc[0]], [dict(c) for c in meta.get("exclude", [])])
+    return _line(meta["tag"], [inc[1], inc[0]], exclude, template)
+
+
+def variants(meta: Mapping) -> list[dict]:
+    """Every prompt of a line's scene: each wording in TEMPLATES, each object order."""
+    out = []
+    for template in range(len(TEMPLATES)):
+        same = _line(meta["tag"], _copy(meta["include"]), _copy(meta["exclude"]), template)
+        out.append(same)
+        if len(meta["include"]) == 2:
+            out.append(swap_order(same))
+    return out
+
+
+def random_variant(meta: Mapping, rng: np.random.Generator) -> dict:
+    """One of `variants(meta)`: a uniform wording and object order."""
+    template = int(rng.integers(len(TEMPLATES)))
+    if len(meta["include"]) == 2 and rng.random() < 0.5:
+        return swap_order(meta, template)
+    return _line(meta["tag"], _copy(meta["include"]), _copy(meta.get("exclude", [])), template)
 
 
 def canonical_key(meta: Mapping) -> tuple:
-    """A key equal for two lines iff they describe the same scene, whatever the object order.
+    """A key equal for two lines iff they describe the same scene, whatever the object order
+    and wording.
 
     Position lines are keyed as (relation in {left of, above}, object, target) after flipping
     "right of"/"below" around; the other tags as the sorted clauses.
@@ -265,6 +358,33 @@ def canonical_key(meta: Mapping) -> tuple:
     return (meta["tag"], *clauses)
 
 
+# Flow-GRPO's GenEval training mix (position:counting:color_attr:colors:two_object = 7:5:3:1:1,
+# no single_object): the tags where RL gains most get the most prompts.
+FLOW_GRPO_MIX = {
+    "single_object": 0.0,
+    "two_object": 1.0,
+    "counting": 5.0,
+    "colors": 1.0,
+    "position": 7.0,
+    "color_attr": 3.0,
+}
+TEST_SCENE_SHARE = 1 / 3  # at most this share of a tag's scenes is held out while training uses it
+
+
+def split_counts(total: int, weights: Mapping[str, float]) -> dict[str, int]:
+    """`total` split over TAGS in proportion to `weights` (largest remainder; ties to the
+    earlier tag), so the counts add up to `total` exactly."""
+    if any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
+        raise ValueError(f"tag weights must be >= 0 with a positive sum, got {dict(weights)}")
+    total_weight = sum(weights.get(tag, 0.0) for tag in TAGS)
+    exact = [total * weights.get(tag, 0.0) / total_weight for tag in TAGS]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(TAGS)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return dict(zip(TAGS, counts, strict=True))
+
+
 def make_prompts(
     n_train: int,
     n_test: int,
@@ -273,35 +393,53 @@ def make_prompts(
     shapes: Sequence[str] = SHAPES,
     colors: Sequence[str] = tuple(COLORS),
     max_count: int = 4,
+    mix: Mapping[str, float] | None = None,
 ) -> tuple[list[dict], list[dict]]:
-    """Train and test prompt sets in GenEval metadata format, balanced over the six tags.
+    """Train and test prompt sets in GenEval metadata format.
 
-    Each tag asks for n // 6 prompts (the remainder goes to the first tags). The sets are
-    disjoint by `canonical_key`, so also under swapped object order; two-object lines take a
-    random object order. Where a tag has fewer distinct prompts than asked for (with 3 shapes:
-    single_object and two_object have 3, counting 9, position 12, colors 30), the pool is split
-    in proportion n_test : n_train, rounding the test share up, with at least one prompt on
-    each side whenever both sides ask for some; so those tags get fewer lines than asked.
-    Deterministic in `seed`.
+    Test: n_test // 6 prompts per tag (the remainder to the first tags). Train: n_train lines
+    split over the tags in proportion to `mix` (default FLOW_GRPO_MIX; `split_counts`).
+    Disjoint by scene (`canonical_key`): no scene of the test set is trained on in any wording
+    or object order, which is stricter than GenEval's "no test prompt in training". A tag
+    holds out up to its test count of scenes, at most TEST_SCENE_SHARE of them while training
+    also uses the tag, and asks for each held-out scene in several wordings (round robin,
+    random wording and order) where there are fewer scenes than prompts wanted; with 6 shapes
+    every tag reaches 24 test prompts. Training lines are the other scenes' prompts in every
+    wording and order, shuffled, repeated in the same order where a tag's share is larger
+    than its pool (counting), so the training mix follows `mix` exactly. Deterministic in
+    `seed`.
     """
     if n_train < 0 or n_test < 0:
         raise ValueError(f"n_train and n_test must be >= 0, got {n_train}, {n_test}")
     rng = np.random.default_rng(seed)
+    want_train = split_counts(n_train, FLOW_GRPO_MIX if mix is None else mix)
     train, test = [], []
     for t, tag in enumerate(TAGS):
-        want_train = n_train // len(TAGS) + (t < n_train % len(TAGS))
         want_test = n_test // len(TAGS) + (t < n_test % len(TAGS))
-        pool = prompt_pool(tag, shapes=shapes, colors=colors, max_count=max_count)
+        scenes = prompt_pool(tag, shapes=shapes, colors=colors, max_count=max_count)
+        scenes = [scenes[i] for i in rng.permutation(len(scenes))]
+        n_held = min(want_test, len(scenes))
+        if want_train[tag] > 0:
+            n_held = min(n_held, max(int(len(scenes) * TEST_SCENE_SHARE), 1))
+        test.extend(_round_robin(scenes[:n_held], want_test, rng))
+        pool = [v for scene in scenes[n_held:] for v in variants(scene)]
         pool = [pool[i] for i in rng.permutation(len(pool))]
-        pool = [swap_order(m) if rng.random() < 0.5 else m for m in pool]
-        if want_train + want_test > len(pool):
-            share = math.ceil(len(pool) * want_test / (want_train + want_test))
-            n_test_tag = min(want_test, len(pool) - (want_train > 0), max(share, want_test > 0))
-        else:
-            n_test_tag = want_test
-        test.extend(pool[:n_test_tag])
-        train.extend(pool[n_test_tag : n_test_tag + want_train])
+        if want_train[tag] and not pool:
+            raise ValueError(f"tag {tag!r}: no scene left to train on after the test split")
+        train.extend(pool[i % len(pool)] for i in range(want_train[tag]))
     return train, test
+
+
+def _round_robin(scenes: list[dict], n: int, rng: np.random.Generator) -> list[dict]:
+    """Up to n distinct prompts of `scenes`: one variant of each scene per pass, in random
+    order within a scene, until n are taken or every variant is."""
+    shuffled = [[vs[i] for i in rng.permutation(len(vs))] for vs in map(variants, scenes)]
+    out = []
+    for depth in range(max((len(vs) for vs in shuffled), default=0)):
+        for vs in shuffled:
+            if len(out) < n and depth < len(vs):
+                out.append(vs[depth])
+    return out
 
 
 def sample_metadata(
@@ -314,8 +452,8 @@ def sample_metadata(
     max_count: int = 4,
 ) -> list[dict]:
     """n random metadata lines: a tag uniformly, then a line of that tag uniformly, in a random
-    object order. `pool` restricts the draw to given lines (e.g. a train set); default: the
-    whole world."""
+    wording and object order (`random_variant`). `pool` restricts the draw to given lines'
+    scenes (e.g. a train set); default: the whole world."""
     if pool is None:
         pool = whole_world(tuple(shapes), tuple(colors), max_count)
     by_tag: dict[str, list[Mapping]] = {}
@@ -325,8 +463,7 @@ def sample_metadata(
     out = []
     for _ in range(n):
         lines = by_tag[tags[rng.integers(len(tags))]]
-        meta = lines[rng.integers(len(lines))]
-        out.append(swap_order(meta) if rng.random() < 0.5 else _copy(meta))
+        out.append(random_variant(lines[rng.integers(len(lines))], rng))
     return out
 
 
@@ -334,7 +471,8 @@ def sample_metadata(
 def whole_world(
     shapes: tuple[str, ...] = SHAPES, colors: tuple[str, ...] = tuple(COLORS), max_count: int = 4
 ) -> list[dict]:
-    """Every line of every tag (cached: training draws from it every step; never mutated)."""
+    """Every scene of every tag in GenEval's wording (cached: training draws from it every
+    step; never mutated)."""
     return [
         m
         for tag in TAGS
@@ -342,7 +480,14 @@ def whole_world(
     ]
 
 
-def _copy(meta: Mapping) -> dict:
+def world_prompts(
+    shapes: tuple[str, ...] = SHAPES, colors: tuple[str, ...] = tuple(COLORS), max_count: int = 4
+) -> list[str]:
+    """Every prompt text of the world: each scene in each wording and object order."""
+    return [v["prompt"] for m in whole_world(shapes, colors, max_count) for v in variants(m)]
+
+
+def _copy(meta):
     return json.loads(json.dumps(meta))
 
 

@@ -25,6 +25,7 @@ def prompts(cfg: Config) -> dict[str, int]:
         shapes=tuple(cfg.world.shapes),
         colors=tuple(cfg.world.colors),
         max_count=cfg.world.max_count,
+        mix=cfg.prompts.mix,
     )
     with atomic_path(cfg.path(PROMPTS)) as tmp:
         tmp.mkdir()

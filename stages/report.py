@@ -4,22 +4,25 @@ Reads `reports/train/<run>/rounds.json`, `reports/eval/<policy>/metrics.json` an
 credit diagnostics, the advantages, scores and estimate images cached under `data/train/<run>`
 (the configured `train.methods` x `train.seeds`). Whatever is missing is listed in the README's
 "Missing inputs" section and shown as "—"; nothing missing is an error. Writes
-`reports/README.md` and `reports/figures/{geneval,learning_curves,credit,nonmonotonic}.png`.
+`reports/README.md` and `reports/figures/{geneval,learning_curves,probe_curves,credit,
+nonmonotonic}.png`.
 """
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pandas as pd
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from pipeline import layout
 from pipeline import report as rep
-from pipeline.bench import CHALLENGERS, Runs, benchmark, read_training_runs
-from pipeline.config import Config
-from pipeline.io import write_text
+from pipeline.bench import CHALLENGERS, Runs, benchmark, read_probe_runs, read_training_runs
+from pipeline.config import Config, ConfigError
+from pipeline.geneval import TAGS
+from pipeline.io import write_json, write_text
 from pipeline.tracking import log_artifact, log_metrics
 from pipeline.trajectories import (
     ESTIMATE_IMAGES,
@@ -47,14 +50,19 @@ def report(cfg: Config) -> dict[str, float]:
     figures = cfg.path(FIGURES)
     rep.plot_geneval(geneval, figures / "geneval.png")
     rep.plot_learning_curves(runs, figures / "learning_curves.png", bench["target_reward"])
+    probes = read_probe_runs(cfg.path(layout.REPORTS), cfg.train.methods, cfg.train.seeds)
+    rep.plot_probe_curves(probes, figures / "probe_curves.png")
     rep.plot_credit(profiles, figures / "credit.png")
     rep.plot_examples(read_examples(cfg, missing), figures / "nonmonotonic.png")
+    experiment = claims_summary(cfg, runs, missing)
+    write_json(cfg.path(layout.REPORTS / "experiment.json"), experiment)
     readme = cfg.path(layout.REPORTS / "README.md")
     write_text(
         readme,
         rep.readme(
             header=header(cfg),
-            verdict_lines=rep.verdict(geneval, bench, profiles, runs),
+            verdict_lines=rep.verdict(geneval, bench, profiles, runs)
+            + [rep.claim_text(name, c) for name, c in experiment["claims"].items()],
             geneval=rep.geneval_markdown(geneval),
             samples=samples,
             cost=rep.cost_markdown(bench),
@@ -83,6 +91,79 @@ def header(cfg: Config) -> str:
         f"{ro.prompts_per_round} prompts × {ro.group_size} samples, "
         f"{cfg.sampling.num_steps} steps; backend `{cfg.model.backend}`; reward {mix}."
     )
+
+
+CLAIMS = {  # claim -> (challenger, baseline) methods
+    "stepwise_vs_flow_grpo": ("stepwise", "flow_grpo"),
+    "tp_grpo_vs_flow_grpo": ("tp_grpo", "flow_grpo"),
+}
+
+
+def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
+    """`reports/experiment.json`: held-out GenEval (evaluate protocol) of the base and of each
+    method per seed, and each claim's difference with a bootstrap CI over seeds and prompts
+    (`report.bootstrap_difference`). A claim is null when a side has no evaluated seed."""
+    out = {"seeds": list(cfg.train.seeds), "base": {"geneval": None}, "methods": {}, "claims": {}}
+    out["claims"] = dict.fromkeys([*CLAIMS, "joint_vs_per_step"])
+    try:
+        test = layout.load_prompts(cfg, "test")
+    except ConfigError:
+        missing.append("the test prompts (data/prompts/test.jsonl), so no claim is measured")
+        return out
+    tags = np.array([TAGS.index(m["tag"]) for m in test])
+    if (base := eval_matrix(cfg, ["base"], test)) is not None:
+        out["base"]["geneval"] = float(rep.geneval_overall(base[0], tags))
+    matrices = {}
+    for method in cfg.train.methods:
+        seeds = [s for s in cfg.train.seeds if s in runs.get(method, {})]
+        matrix = eval_matrix(cfg, [layout.run_name(method, s) for s in seeds], test)
+        if matrix is None:
+            continue
+        matrices[method] = matrix
+        per_seed = [float(rep.geneval_overall(row, tags)) for row in matrix]
+        nfe = [float(runs[method][s]["cost/round_nfe"].sum()) for s in seeds]
+        out["methods"][method] = {
+            "geneval": float(np.mean(per_seed)),
+            "geneval_per_seed": per_seed,
+            "nfe": float(np.mean(nfe)),
+        }
+    for name, (challenger, baseline) in CLAIMS.items():
+        if challenger not in matrices or baseline not in matrices:
+            continue
+        diff, ci = rep.bootstrap_difference(matrices[challenger], matrices[baseline], tags)
+        nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
+        out["claims"][name] = {
+            "diff": diff,
+            "ci95": list(ci),
+            "separated": not ci[0] <= 0.0 <= ci[1],
+            "nfe": max(nfe),
+            "nfe_ratio": nfe[0] / nfe[1] if nfe[1] else None,
+        }
+    # The per-step normalization ablation lives in another DVC experiment, not this workspace.
+    missing.append(
+        "claim joint_vs_per_step: needs the evaluations of the "
+        "`dvc exp run -S advantages.normalization=per_step` ablation beside the default runs"
+    )
+    return out
+
+
+def eval_matrix(cfg: Config, policies: list[str], test: list[dict]) -> np.ndarray | None:
+    """(policies, test prompts) accuracy per prompt from `data/eval/<policy>/results.jsonl`;
+    None if any policy has no results."""
+    rows = []
+    for policy in policies:
+        path = cfg.path(layout.EVAL / policy / "results.jsonl")
+        if not path.is_file():
+            return None
+        verdicts = [json.loads(line) for line in path.read_text().splitlines() if line]
+        correct: dict[str, list[bool]] = {}
+        for v in verdicts:
+            correct.setdefault(v["prompt"], []).append(bool(v["correct"]))
+        rows.append([np.mean(correct[m["prompt"]]) if m["prompt"] in correct else np.nan
+                     for m in test])  # fmt: skip
+    if not rows or np.isnan(np.asarray(rows)).any():
+        return None
+    return np.asarray(rows)
 
 
 def absent_runs(cfg: Config, runs: Runs) -> list[str]:

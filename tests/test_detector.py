@@ -38,13 +38,20 @@ def test_hand_placed_scene_classes_colors_boxes():
         ]
     )
     found = detect(image)
-    assert {k: len(v) for k, v in found.items()} == {"circle": 1, "square": 1, "triangle": 1}
+    assert {k: len(v) for k, v in found.items()} == {
+        "circle": 1,
+        "square": 1,
+        "triangle": 1,
+        "cross": 0,
+        "star": 0,
+        "diamond": 0,
+    }
     square = found["square"][0]
     assert square.color == "red"
     # side 0.9 * 10 = 9 around x = 8: edges at 3.5 and 12.5, pixel-edge box within half a pixel
     assert np.allclose(square.box, (3.5, 3.5, 12.5, 12.5), atol=0.51)
     assert found["circle"][0].color == "blue" and found["triangle"][0].color == "yellow"
-    for dets in found.values():
+    for dets in (d for d in found.values() if d):
         assert 0.9 < dets[0].score <= 1.0
         assert dets[0].mask.shape == (32, 32) and dets[0].mask.dtype == bool
 
@@ -104,3 +111,17 @@ def test_corrupted_renders_judged_wrong():
             correct, reason = evaluate(meta, detect(image))
             assert not correct, (meta["prompt"], kind)
             assert reason
+
+
+def test_hand_placed_star_cross_diamond():
+    image = _scene(
+        [
+            ("star", "green", 8.0, 8.0, 11.0, 0.2),
+            ("cross", "purple", 24.0, 8.0, 10.0, 0.1),
+            ("diamond", "orange", 16.0, 23.0, 11.0, -0.2),
+        ]
+    )
+    found = detect(image)
+    assert {k: len(v) for k, v in found.items() if v} == {"star": 1, "cross": 1, "diamond": 1}
+    colors = {k: v[0].color for k, v in found.items() if v}
+    assert colors == {"star": "green", "cross": "purple", "diamond": "orange"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import mlflow
 import numpy as np
 import pandas as pd
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from pipeline import layout
+from pipeline import report as rep
 from pipeline.config import load_config
 from pipeline.flows import run_stage
 from pipeline.io import write_json
@@ -26,7 +29,13 @@ from pipeline.trajectories import write_estimate_images, write_scores
 from stages.report import report
 from tests.test_bench import CURVES, rounds_rows
 
-FIGURES = ("geneval.png", "learning_curves.png", "credit.png", "nonmonotonic.png")
+FIGURES = (
+    "geneval.png",
+    "learning_curves.png",
+    "probe_curves.png",
+    "credit.png",
+    "nonmonotonic.png",
+)
 
 
 def test_spread_text_and_comparison():
@@ -181,6 +190,46 @@ def test_report_stage_writes_readme_and_figures(project):
     assert logged == {"README.md", *FIGURES}
 
 
+def test_geneval_overall_is_the_mean_over_tags_of_prompt_means():
+    accuracy = np.array([1.0, 0.0, 0.5, 0.25])  # tag 0 holds prompts 0-2, tag 1 prompt 3
+    tags = np.array([0, 0, 0, 1])
+    assert rep.geneval_overall(accuracy, tags) == pytest.approx((0.5 + 0.25) / 2)
+    both = np.stack([accuracy, 1 - accuracy])  # leading axes are kept
+    assert rep.geneval_overall(both, tags) == pytest.approx([0.375, 0.625])
+
+
+def test_bootstrap_difference_hand_cases():
+    tags = np.repeat([0, 1, 2], 4)
+    rng = np.random.default_rng(0)
+    b = np.tile(rng.uniform(size=12), (3, 1))  # three seeds that agree
+    # A uniform shift of every seed and prompt: no variation left, the CI is the point
+    diff, (low, high) = rep.bootstrap_difference(b + 0.1, b, tags)
+    assert diff == pytest.approx(0.1) and low == pytest.approx(0.1) and high == pytest.approx(0.1)
+    # identical inputs: exactly zero, and the CI covers it
+    seeds = rng.uniform(size=(3, 12))
+    diff, (low, high) = rep.bootstrap_difference(seeds, seeds, tags)
+    assert diff == 0.0 and low <= 0.0 <= high
+    # seed spread only: A's seeds sit at 0.2 and 0.4 on every prompt, B at 0 -> diff 0.3, and
+    # the CI spans the seed means a redraw of two seeds can give (0.2 ... 0.4)
+    a = np.repeat([[0.2], [0.4]], 12, axis=1)
+    diff, (low, high) = rep.bootstrap_difference(a, np.zeros((2, 12)), tags, n_boot=4000)
+    assert diff == pytest.approx(0.3)
+    assert low == pytest.approx(0.2) and high == pytest.approx(0.4)
+    # prompt spread only: the CI widens with the prompts' disagreement, and is reproducible
+    noisy = b + rng.normal(0, 0.2, size=(1, 12))
+    first = rep.bootstrap_difference(noisy, b, tags, seed=5)
+    assert first == rep.bootstrap_difference(noisy, b, tags, seed=5)
+    assert first[1][0] < first[0] < first[1][1]
+
+
+def test_claim_text():
+    claim = {"diff": 0.031, "ci95": [-0.01, 0.07], "separated": False}
+    assert rep.claim_text("stepwise_vs_flow_grpo", claim) == (
+        "stepwise_vs_flow_grpo: +0.031 (95 % CI -0.010 to +0.070), not separated (the CI covers 0)"
+    )
+    assert rep.claim_text("x", None) == "x: not measured"
+
+
 def test_report_with_nothing_to_report_still_writes_every_file(project):
     report.fn(load_config(project / "params.yaml"))
     for name in FIGURES:
@@ -209,7 +258,19 @@ def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
         train.fn(load_config(tiny_project / "params.yaml", [*overrides, f"train.method={method}"]))
     cfg = load_config(tiny_project / "params.yaml", overrides)
     evaluate.fn(cfg, policy="base")
+    for method in ("flow_grpo", "tp_grpo"):
+        evaluate.fn(cfg, policy=f"{method}-s0")
     report.fn(cfg)
+    experiment = json.loads((tiny_project / "reports/experiment.json").read_text())
+    assert experiment["seeds"] == [0] and 0 <= experiment["base"]["geneval"] <= 1
+    assert set(experiment["methods"]) == {"flow_grpo", "tp_grpo"}  # stepwise: not evaluated
+    flow = experiment["methods"]["flow_grpo"]
+    assert flow["geneval_per_seed"] == [flow["geneval"]] and flow["nfe"] > 0
+    claim = experiment["claims"]["tp_grpo_vs_flow_grpo"]
+    assert set(claim) == {"diff", "ci95", "separated", "nfe", "nfe_ratio"}
+    assert claim["ci95"][0] <= claim["diff"] <= claim["ci95"][1]
+    assert experiment["claims"]["stepwise_vs_flow_grpo"] is None
+    assert experiment["claims"]["joint_vs_per_step"] is None
     result = bench.fn(cfg)
     text = (tiny_project / "reports/README.md").read_text()
     assert "| base | 1 | **" in text and "[base](eval/base/samples.png)" in text

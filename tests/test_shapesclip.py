@@ -82,9 +82,9 @@ def test_make_batch_shapes_and_matches():
     assert batch.negatives.shape == (12, 2, 3, 32, 32)
     assert batch.matches.shape == (12, 12) and torch.all(batch.matches.diagonal() == 1)
     assert set(batch.matches.unique().tolist()) <= {0.0, 1.0}
-    assert batch.attributes["pairs"].shape == (36, 40)
-    assert batch.attributes["counts"].shape == (36, 4)
-    assert batch.attributes["relations"].shape == (36, 64)
+    assert batch.attributes["pairs"].shape == (36, 60)  # 6 shapes x 10 colors
+    assert batch.attributes["counts"].shape == (36, 6)
+    assert batch.attributes["relations"].shape == (36, 144)  # 6 x 6 shapes x 4 relations
 
 
 def test_scene_attributes_by_hand():
@@ -94,10 +94,10 @@ def test_scene_attributes_by_hand():
         {"class": "square", "color": "blue", "box": (20, 0, 24, 4)},
     ]
     attrs = sc.scene_attributes([scene, []])
-    pairs = attrs["pairs"].reshape(2, 4, 10)  # shape x color
+    pairs = attrs["pairs"].reshape(2, 6, 10)  # shape x color
     assert pairs[0].nonzero().tolist() == [[0, 0], [1, 4]]  # red circle, blue square
-    assert attrs["counts"].tolist() == [[2, 1, 0, 0], [0, 0, 0, 0]]
-    relations = attrs["relations"].reshape(2, 4, 4, 4)  # object class x target class x RELATIONS
+    assert attrs["counts"].tolist() == [[2, 1, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0]]
+    relations = attrs["relations"].reshape(2, 6, 6, 4)  # object class x target class x RELATIONS
     # both circles are left of the square; the lower one (offset (-20, 20)) is also below it
     assert relations[0, 0, 1].tolist() == [1, 0, 0, 1]
     # the square is right of both circles and above the lower one
@@ -118,28 +118,28 @@ def test_caption_attributes_state_only_what_the_caption_says():
         if m["prompt"] == "a photo of a red circle and a blue square"
     )
     attrs = sc.caption_attributes([line, colored])
-    assert attrs["counts"].tolist() == [[1, 1, -100, -100], [1, 1, -100, -100]]
-    relations = attrs["relations"].reshape(2, 4, 4, 4)
-    mask = attrs["relations_mask"].reshape(2, 4, 4, 4)
+    assert attrs["counts"].tolist() == [[1, 1, -100, -100, -100, -100]] * 2
+    relations = attrs["relations"].reshape(2, 6, 6, 4)
+    mask = attrs["relations_mask"].reshape(2, 6, 6, 4)
     assert relations[0, 0, 1].tolist() == [0, 0, 1, 0] and mask[0, 0, 1].tolist() == [0, 0, 1, 1]
     assert relations[0, 1, 0].tolist() == [0, 0, 0, 1] and mask[0, 1, 0].tolist() == [0, 0, 1, 1]
     assert mask[0].sum() == 4 and mask[1].sum() == 0
-    pairs = attrs["pairs"].reshape(2, 4, 10)
-    pairs_mask = attrs["pairs_mask"].reshape(2, 4, 10)
+    pairs = attrs["pairs"].reshape(2, 6, 10)
+    pairs_mask = attrs["pairs_mask"].reshape(2, 6, 10)
     assert pairs[1].nonzero().tolist() == [[0, 0], [1, 4]]
-    assert pairs_mask[1].sum(dim=1).tolist() == [10, 10, 0, 0] and pairs_mask[0].sum() == 0
+    assert pairs_mask[1].sum(dim=1).tolist() == [10, 10, 0, 0, 0, 0] and pairs_mask[0].sum() == 0
 
 
 def test_attribute_loss_by_hand():
     scene = [{"class": "triangle", "color": "green", "box": (0, 0, 4, 4)}]
     targets = sc.scene_attributes([scene])
-    counts = torch.full((1, 4, world.MAX_OBJECTS + 1), -20.0)
-    counts[0, torch.arange(4), targets["counts"][0]] = 20.0
+    counts = torch.full((1, 6, world.MAX_OBJECTS + 1), -20.0)
+    counts[0, torch.arange(6), targets["counts"][0]] = 20.0
     right = torch.cat(
         [(targets["pairs"] * 2 - 1) * 20, counts.flatten(1), (targets["relations"] * 2 - 1) * 20],
         dim=1,
     )
-    assert right.shape == (1, sc.attribute_size()) == (1, 40 + 24 + 64)
+    assert right.shape == (1, sc.attribute_size()) == (1, 60 + 36 + 144)
     assert sc.attribute_loss(right, targets).item() < 1e-6
     # all-zero logits: BCE log 2 on pairs and relations, CE log 6 on counts
     zero = sc.attribute_loss(torch.zeros_like(right), targets).item()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from pipeline.config import load_config
 from pipeline.flows import run_stage
 from pipeline.layout import train_run
-from pipeline.policy import INPUTS_FILE, run_inputs
+from pipeline.policy import INPUTS_FILE, REPLACED_DIR, run_inputs
 from pipeline.rewards import REWARDS
 from pipeline.rounds import RoundError, most_nonmonotonic
 
@@ -30,7 +30,8 @@ def bright(monkeypatch):
         "rollout.prompts_per_round=4",
         "rollout.group_size=8",
         "update.minibatch_size=32",
-        "update.lr=0.03",
+        "update.lr=0.1",
+        "update.inner_epochs=2",
         "update.clip_range=0.2",
     ]
 
@@ -46,8 +47,9 @@ def test_each_method_raises_the_training_reward(tiny_project, bright, method):
     cfg, summary = train(tiny_project, [*bright, f"train.method={method}", "train.rounds=6"])
     rewards = [r["reward/mean"] for r in json.loads(_rounds_json(cfg).read_text())]
     assert len(rewards) == summary["rounds"] == 6
-    # Fixed seeds make this deterministic; the margin is what each method reliably gains here.
-    assert sum(rewards[3:]) / 3 > sum(rewards[:3]) / 3 + 0.002, rewards
+    # Fixed seeds make this deterministic; each method gains 0.016-0.019 here (world of six
+    # shapes), the margin leaves room for changes that move the draws.
+    assert sum(rewards[3:]) / 3 > sum(rewards[:3]) / 3 + 0.005, rewards
 
 
 def _rounds_json(cfg):
@@ -61,7 +63,8 @@ def _lora(run):
 
 def _curve(report):
     rounds = json.loads(report.read_text())
-    drop = ("time/", "perf/")  # wall-clock differs between runs
+    # wall-clock differs between runs; a run that stopped early also probed its final policy
+    drop = ("time/", "perf/", "probe/")
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in rounds]
 
 
@@ -105,6 +108,73 @@ def test_a_run_resumes_only_from_the_same_inputs(tiny_project, bright, recwarn):
     retrained = load_file(round_0)
     assert any(not torch.equal(retrained[k], first[k]) for k in first)
     assert json.loads((run / INPUTS_FILE).read_text())["update.lr"] == "0.05"
+    # the replaced run is kept, whole, beside the runs
+    (kept,) = (run.parent / REPLACED_DIR).iterdir()
+    assert kept.name.startswith(f"{run.name}-")
+    assert sorted(p.name for p in (kept / "checkpoints").iterdir()) == ["round-0000", "round-0001"]
+    old_round_0 = load_file(kept / "checkpoints/round-0000/lora.safetensors")
+    assert all(torch.equal(old_round_0[k], first[k]) for k in first)
+
+
+def test_a_failing_command_or_a_speed_setting_never_touches_finished_rounds(tiny_project, recwarn):
+    from pipeline.config import ConfigError
+
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    run = train_run(cfg)
+    files = sorted(p for p in run.rglob("*") if p.is_file())
+    stamps = {p: p.stat().st_mtime_ns for p in files}
+    for bad in (["model.path=/nonexistent"], ["model.backend=sd3", "model.path=/nonexistent"]):
+        with pytest.raises(ConfigError, match="model.path"):
+            train(tiny_project, ["train.rounds=1", "update.lr=0.01", *bad])
+        assert sorted(p for p in run.rglob("*") if p.is_file()) == files
+    # speed-only settings resume the run instead of retraining it
+    speed = ["score.batch_size=32", "score.reward_batch_size=3", "score.estimate_images=1"]
+    train(tiny_project, ["train.rounds=2", *speed])
+    assert all(p.stat().st_mtime_ns == stamps[p] for p in files if "checkpoints" in p.parts)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0000", "round-0001"]
+    assert not [w for w in recwarn if "other inputs" in str(w.message)]
+
+
+@pytest.mark.parametrize("broken", ["weight", "loss"])
+def test_non_finite_update_is_refused_and_never_checkpointed(tiny_project, monkeypatch, broken):
+    """A diverged optimizer step (here: one LoRA weight, or the loss, made non-finite) stops the
+    round with one line naming it; no checkpoint holds NaN weights."""
+    import pipeline.rounds as rounds_module
+    from pipeline.grpo import lora_parameters
+
+    real_update = rounds_module.grpo_update
+
+    def diverging(backend, *args, **kwargs):
+        metrics = real_update(backend, *args, **kwargs)
+        if broken == "weight":
+            with torch.no_grad():
+                lora_parameters(backend.transformer)[0].view(-1)[0] = float("nan")
+        else:
+            metrics["train/loss"] = float("inf")
+        return metrics
+
+    monkeypatch.setattr(rounds_module, "grpo_update", diverging)
+    cfg = load_config(tiny_project / "params.yaml", ["train.rounds=1"])
+    what = "LoRA weight" if broken == "weight" else "train/loss"
+    with pytest.raises(RoundError, match=rf"update: non-finite {what}.* in round 0 .*nothing"):
+        run_stage("train", cfg)
+    assert not (train_run(cfg) / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("update.lr=.inf", "update.lr"),
+        ("update.kl_beta=.nan", "update.kl_beta"),
+        ("rollout.eta.stepwise=1.5", "eta.stepwise must be in"),
+        ("rollout.eta.cps=2", "eta.cps must be in"),
+    ],
+)
+def test_non_finite_and_out_of_range_params_refused_at_load(tiny_project, override, message):
+    from pipeline.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(tiny_project / "params.yaml", [override])
 
 
 def test_run_inputs_follow_the_base_model_files_not_the_round_count(tiny_project, tmp_path):
@@ -146,3 +216,68 @@ def test_report_examples_are_the_most_non_monotonic_trajectories():
     assert most_nonmonotonic(estimates, final, 2).tolist() == [1, 2]
     assert most_nonmonotonic(estimates, final, 3).tolist() == [0, 1, 2]  # tie: lower index
     assert most_nonmonotonic(estimates, final, 0).tolist() == []
+
+
+def test_probe_curve_is_held_out_and_leaves_training_unchanged(tiny_project):
+    import shutil
+
+    from pipeline.geneval import TAGS
+
+    cfg, _ = train(tiny_project, ["train.rounds=3", "train.eval_every=2"])
+    run = train_run(cfg)
+    probe = json.loads((tiny_project / "reports/train/flow_grpo-s0/probe.json").read_text())
+    rounds = json.loads(_rounds_json(cfg).read_text())
+    # the base policy, every second round, and the last round
+    assert [p["rounds"] for p in probe] == [0, 2, 3]
+    assert probe[0]["nfe"] == 0 and probe[0]["seconds"] == 0
+    assert probe[1]["nfe"] == rounds[0]["cost/round_nfe"] + rounds[1]["cost/round_nfe"]
+    for row in probe:  # uniform rows, so `dvc plots` draws them
+        assert set(row) == {"rounds", "nfe", "seconds", "probe/geneval"} | {
+            f"probe/{tag}" for tag in TAGS
+        }
+        assert 0 <= row["probe/geneval"] <= 1
+    # round r's row carries the probe of the policy it produced
+    assert "probe/geneval" not in rounds[0]
+    assert rounds[1]["probe/geneval"] == probe[1]["probe/geneval"]
+    probed = _lora(run)
+
+    shutil.rmtree(run)
+    train(tiny_project, ["train.rounds=3", "train.eval_every=0"])
+    assert not (run / "probe").exists()
+    unprobed = _lora(run)
+    assert probed.keys() == unprobed.keys()
+    for key in probed:
+        assert torch.equal(probed[key], unprobed[key]), key
+
+
+def test_probe_missing_after_a_kill_is_taken_on_resume(tiny_project):
+    cfg, _ = train(tiny_project, ["train.rounds=2", "train.eval_every=1"])
+    run = train_run(cfg)
+    last = run / "probe" / "rounds=0002.json"
+    written = json.loads(last.read_text())
+    last.unlink()  # killed between round 1's checkpoint and its probe
+    train(tiny_project, ["train.rounds=2", "train.eval_every=1"])
+    assert json.loads(last.read_text()) == written
+    assert sorted(p.name for p in (run / "probe").iterdir()) == [
+        "rounds=0000.json",
+        "rounds=0001.json",
+        "rounds=0002.json",
+    ]
+
+
+def test_nfe_budget_stops_the_run_and_probes_its_final_policy(tiny_project):
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    per_round = json.loads(_rounds_json(cfg).read_text())[0]["cost/round_nfe"]
+    import shutil
+
+    shutil.rmtree(train_run(cfg))
+    # 1.5 rounds' worth: round 1 starts below the budget, round 2 would start above it
+    budget = [f"train.nfe_budget={1.5 * per_round}", "train.rounds=9", "train.eval_every=5"]
+    cfg, summary = train(tiny_project, budget)
+    assert summary["rounds"] == 2 and summary["nfe_total"] == 2 * per_round
+    assert sorted(p.name for p in (train_run(cfg) / "probe").iterdir()) == [
+        "rounds=0000.json",
+        "rounds=0002.json",  # the final policy, though 2 is no multiple of eval_every
+    ]
+    cfg, summary = train(tiny_project, budget)  # a rerun trains nothing more
+    assert summary["rounds"] == 2

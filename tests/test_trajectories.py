@@ -245,8 +245,20 @@ def test_truncated_file_is_a_clear_error(tmp_path):
         TrajectoryCacheError, match=r"part-00001\.parquet is not a readable Parquet"
     ):
         read_rollout(tmp_path, 0)
-    with pytest.raises(TrajectoryCacheError, match="sha256"):
-        tj.verify_round(tmp_path, STEPS, 0)
+
+
+def test_same_size_corruption_is_caught_on_read_naming_the_file(tmp_path):
+    write_rollout(tmp_path, make_rollout(0), file_bytes=TWO_TRAJECTORIES)
+    part = round_dir(tmp_path, STEPS, 0) / "part-00001.parquet"
+    data = bytearray(part.read_bytes())
+    for offset in (len(data) // 3, len(data) // 2):  # inside the column data, not the footer
+        flipped = data.copy()
+        flipped[offset] ^= 0x01
+        part.write_bytes(bytes(flipped))
+        with pytest.raises(TrajectoryCacheError, match=r"part-00001\.parquet does not match"):
+            read_rollout(tmp_path, 0)
+    part.write_bytes(bytes(data))
+    assert_same_rollout(read_rollout(tmp_path, 0), make_rollout(0))
 
 
 def test_unknown_schema_version_is_a_clear_error(tmp_path):

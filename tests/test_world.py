@@ -1,6 +1,7 @@
 """ShapesWorld prompts, validation, rendering and corruptions."""
 
 import math
+import re
 from collections import Counter
 
 import numpy as np
@@ -36,12 +37,12 @@ def test_palette_is_well_separated():
 def test_pool_sizes_and_templates():
     sizes = {tag: len(world.prompt_pool(tag)) for tag in TAGS}
     assert sizes == {
-        "single_object": 3,
-        "two_object": 3,
-        "counting": 9,
-        "colors": 30,
-        "position": 12,
-        "color_attr": 270,
+        "single_object": 6,
+        "two_object": 15,
+        "counting": 18,
+        "colors": 60,
+        "position": 60,
+        "color_attr": 1350,
     }
     prompts = {m["prompt"] for tag in TAGS for m in world.prompt_pool(tag)}
     assert {
@@ -51,7 +52,28 @@ def test_pool_sizes_and_templates():
         "a photo of an orange triangle",
         "a photo of a circle left of a square",
         "a photo of a red circle and a blue square",
+        "a photo of a star below a diamond",
     } <= prompts
+
+
+def test_variants_word_and_order_one_scene():
+    line = next(
+        m for m in world.prompt_pool("position") if m["prompt"] == "a photo of a cross above a star"
+    )
+    texts = [v["prompt"] for v in world.variants(line)]
+    assert len(texts) == len(set(texts)) == 2 * len(world.TEMPLATES)
+    assert "an image of a star below a cross" in texts
+    assert "a drawing of a cross above a star" in texts
+    assert {world.canonical_key(v) for v in world.variants(line)} == {world.canonical_key(line)}
+    assert [world.template_of(v) for v in world.variants(line)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    single = world.prompt_pool("counting")[0]
+    assert [v["prompt"] for v in world.variants(single)] == [
+        f"{lead} two circles" for lead in world.TEMPLATES
+    ]
+    # a swapped line keeps its wording
+    picture = world.variants(line)[2]
+    assert world.swap_order(picture)["prompt"] == "a picture of a star below a cross"
+    assert world.template_of({"prompt": "no template here"}) == 0
 
 
 def test_counting_and_position_metadata_follow_geneval():
@@ -95,32 +117,51 @@ def test_swap_order_keeps_the_scene():
     assert world.canonical_key(world.swap_order(pair)) == world.canonical_key(pair)
 
 
-def test_make_prompts_balanced_disjoint_deterministic():
-    train, test = world.make_prompts(60, 30, seed=3)
-    # 10 train + 5 test asked per tag; short pools split 1:2 with the test share rounded up,
-    # e.g. position (12 lines): ceil(12 * 5 / 15) = 4 test, 8 train
-    assert Counter(m["tag"] for m in test) == {
-        "single_object": 1,
-        "two_object": 1,
-        "counting": 3,
-        "colors": 5,
-        "position": 4,
-        "color_attr": 5,
+def test_split_counts_follow_weights_exactly():
+    # 17 parts of 600: 247.06 / 176.47 / 105.88 / 35.29 / 35.29 -> largest remainders
+    counts = world.split_counts(600, world.FLOW_GRPO_MIX)
+    assert counts == {
+        "single_object": 0,
+        "two_object": 35,
+        "counting": 177,
+        "colors": 35,
+        "position": 247,
+        "color_attr": 106,
     }
-    assert Counter(m["tag"] for m in train) == {
-        "single_object": 2,
-        "two_object": 2,
-        "counting": 6,
-        "colors": 10,
-        "position": 8,
-        "color_attr": 10,
+    assert world.split_counts(7, {"colors": 1, "position": 1}) == {
+        **dict.fromkeys(TAGS, 0),
+        "colors": 4,
+        "position": 3,
     }
+    with pytest.raises(ValueError, match="positive sum"):
+        world.split_counts(10, dict.fromkeys(TAGS, 0.0))
+
+
+def test_default_split_is_big_enough_to_measure():
+    train, test = world.make_prompts(600, 144, seed=0)
+    assert Counter(m["tag"] for m in test) == dict.fromkeys(TAGS, 24)
+    want = world.split_counts(600, world.FLOW_GRPO_MIX)
+    assert Counter(m["tag"] for m in train) == {t: n for t, n in want.items() if n}
+    assert len({m["prompt"] for m in test}) == 144
+    # no test scene is trained on, in any wording or object order
     assert not {world.canonical_key(m) for m in train} & {world.canonical_key(m) for m in test}
-    assert len({world.canonical_key(m) for m in train}) == len(train)
+    test_scenes = Counter(m["tag"] for m in {world.canonical_key(m): m for m in test}.values())
+    assert test_scenes["single_object"] == 6  # every shape held out, in four wordings
+    assert min(test_scenes.values()) >= 5
     for i, meta in enumerate(train + test):
         world.validate_metadata(meta, i)
-    assert world.make_prompts(60, 30, seed=3) == (train, test)
-    assert world.make_prompts(60, 30, seed=4) != (train, test)
+
+
+def test_make_prompts_disjoint_deterministic_and_mixed():
+    mix = dict.fromkeys(TAGS, 1.0)
+    train, test = world.make_prompts(60, 30, seed=3, mix=mix)
+    assert Counter(m["tag"] for m in test) == dict.fromkeys(TAGS, 5)
+    assert Counter(m["tag"] for m in train) == dict.fromkeys(TAGS, 10)
+    # single_object (6 scenes) is trained on too, so at most a third of its scenes are held out
+    assert len({world.canonical_key(m) for m in test if m["tag"] == "single_object"}) == 2
+    assert not {world.canonical_key(m) for m in train} & {world.canonical_key(m) for m in test}
+    assert world.make_prompts(60, 30, seed=3, mix=mix) == (train, test)
+    assert world.make_prompts(60, 30, seed=4, mix=mix) != (train, test)
     assert world.make_prompts(0, 12, seed=0)[0] == []
     assert len(world.make_prompts(0, 12, seed=0)[1]) == 12
 
@@ -131,7 +172,8 @@ def test_sample_metadata_draws_from_pool():
     keys = {world.canonical_key(m) for m in train}
     drawn = world.sample_metadata(rng, 300, pool=train)
     assert {world.canonical_key(m) for m in drawn} <= keys
-    assert set(Counter(m["tag"] for m in drawn)) == set(TAGS)
+    assert set(Counter(m["tag"] for m in drawn)) == {t for t in TAGS if t != "single_object"}
+    assert len({world.template_of(m) for m in drawn}) == len(world.TEMPLATES)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -192,7 +234,7 @@ def test_read_prompts_round_trip_and_error_line(tmp_path):
     world.write_prompts(path, train)
     assert world.read_prompts(path) == train
     lines = path.read_text().splitlines()
-    lines[2] = lines[2].replace('"count": 1', '"count": -1', 1)
+    lines[2] = re.sub(r'"count": \d', '"count": -1', lines[2], count=1)
     path.write_text("\n".join(lines) + "\n")
     with pytest.raises(ValueError, match=r"line 3: include\[0\]: count must be an integer >= 1"):
         world.read_prompts(path)
@@ -260,11 +302,37 @@ def test_layouts_are_valid():
     assert max(tilts) > 0.8 * world.ROTATION_JITTER and min(tilts) < -0.8 * world.ROTATION_JITTER
 
 
-def test_shape_area_matches_coverage():
+def test_shape_area_matches_hand_values_and_coverage():
+    sin36 = math.sin(math.pi / 5)
+    by_hand = {  # nominal size 1
+        "circle": math.pi * 0.5**2,
+        "square": 0.9**2,
+        "triangle": 0.5 * 3 * 0.7**2 * math.sin(2 * math.pi / 3),
+        "cross": 2 * (2 * 0.62) * (2 * 0.32 * 0.62) - (2 * 0.32 * 0.62) ** 2,
+        "star": 5 * 0.72 * 0.36 * sin36,  # 10 triangles centre-tip-notch
+        "diamond": 2 * 0.72 * 0.45,
+    }
+    assert set(by_hand) == set(world.SHAPE_NAMES)
     grid = np.arange(64) + 0.5 - 32.0
-    for shape in ("circle", "square", "triangle", "cross"):
+    for shape, area in by_hand.items():
+        assert world.shape_area(shape, 1.0) == pytest.approx(area, rel=5e-3), shape
         coverage = world.shape_coverage(shape, grid[None, :], grid[:, None], 30.0, 0.3)
         assert coverage.sum() == pytest.approx(world.shape_area(shape, 30.0), rel=0.02)
+
+
+def test_shape_classes_stay_apart_under_rotation():
+    """No two classes look alike at the world's sizes: the soft IoU of a shape with its best
+    rotation of any other class (same area and centroid, the detector's matching) is <= 0.86
+    (circle and square are the closest pair, 0.85; the new classes stay under 0.80), while its
+    own class matches at >= 0.9."""
+    from pipeline.detector import _classify
+
+    grid = np.arange(24) + 0.5 - 12.0
+    for shape in world.SHAPE_NAMES:
+        soft = world.shape_coverage(shape, grid[None, :], grid[:, None], 9.0, 0.1)
+        own = _classify(soft, [shape])[1]
+        others = max(_classify(soft, [s])[1] for s in world.SHAPE_NAMES if s != shape)
+        assert own >= 0.9 and others <= 0.86, (shape, own, others)
 
 
 # ----------------------------------------------------------------------------- corruptions
