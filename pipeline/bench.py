@@ -45,25 +45,23 @@ Runs = dict[str, dict[int, pd.DataFrame]]
 
 def read_training_runs(reports: Path, methods: list[str], seeds: list[int]) -> Runs:
     """`reports/train/<method>-s<seed>/rounds.json` of every run that exists and is non-empty."""
-    runs: Runs = {}
-    for method in methods:
-        for seed in seeds:
-            path = Path(reports) / "train" / f"{method}-s{seed}" / "rounds.json"
-            if path.is_file() and (rows := json.loads(path.read_text())):
-                frame = pd.DataFrame(rows).sort_values("round", kind="stable")
-                runs.setdefault(method, {})[seed] = frame.reset_index(drop=True)
-    return runs
+    return _read_run_files(reports, methods, seeds, "rounds.json", order="round")
 
 
 def read_probe_runs(reports: Path, methods: list[str], seeds: list[int]) -> Runs:
     """`reports/train/<method>-s<seed>/probe.json` (the held-out probe curve) of every run that
     has one: rows of rounds, nfe, seconds and `probe/*`, in round order."""
+    return _read_run_files(reports, methods, seeds, "probe.json", order="rounds")
+
+
+def _read_run_files(reports: Path, methods, seeds, name: str, order: str) -> Runs:
+    """Each run's JSON list of rows as a frame sorted by `order`; absent or empty runs left out."""
     runs: Runs = {}
     for method in methods:
         for seed in seeds:
-            path = Path(reports) / "train" / f"{method}-s{seed}" / "probe.json"
+            path = Path(reports) / "train" / f"{method}-s{seed}" / name
             if path.is_file() and (rows := json.loads(path.read_text())):
-                frame = pd.DataFrame(rows).sort_values("rounds", kind="stable")
+                frame = pd.DataFrame(rows).sort_values(order, kind="stable")
                 runs.setdefault(method, {})[seed] = frame.reset_index(drop=True)
     return runs
 

@@ -76,6 +76,12 @@ class WorldParams(Section):
         return shapes
 
 
+def _flow_grpo_mix() -> dict[str, float]:
+    from pipeline.world import FLOW_GRPO_MIX
+
+    return dict(FLOW_GRPO_MIX)
+
+
 class PromptsParams(Section):
     """`prompts` stage: GenEval-format train/test prompt sets."""
 
@@ -83,14 +89,7 @@ class PromptsParams(Section):
     n_test: PositiveInt = 144  # spread evenly over the six tags
     seed: int = 0
     # training lines per tag, in proportion (Flow-GRPO's GenEval mix by default)
-    mix: dict[Tag, Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {
-        "single_object": 0.0,
-        "two_object": 1.0,
-        "counting": 5.0,
-        "colors": 1.0,
-        "position": 7.0,
-        "color_attr": 3.0,
-    }
+    mix: dict[Tag, Annotated[float, Field(ge=0)]] = Field(default_factory=_flow_grpo_mix)
 
     @field_validator("mix")
     @classmethod
