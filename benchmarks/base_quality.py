@@ -161,7 +161,9 @@ def main() -> None:
         results[name] = {**summarize(verdicts), "sample_seconds": round(seconds, 1)}
         print(f"{name:9s} overall {results[name]['overall']:.3f}  {results[name]['per_tag']}")
 
-    by_shape = single_object_by_shape(backend, cfg, args.shape_images, args.seed, common)
+    by_shape, shape_grid = single_object_by_shape(
+        backend, cfg, args.shape_images, args.seed, common
+    )
     print("single_object by shape (ode):", by_shape)
 
     history_file = args.model / HISTORY_FILE
@@ -210,6 +212,8 @@ def main() -> None:
     pick = first + second
     written = [args.out / "quality.json", args.out / "samples.png"]
     sample_grid(images["ode"][pick], [prompts[i] for i in pick], written[-1])
+    written.append(args.out / "shapes_by_class.png")
+    sample_grid(*shape_grid, written[-1])
     if history is not None:
         written.append(args.out / "pretrain_losses.png")
         plot_losses(history, written[-1])
@@ -218,7 +222,7 @@ def main() -> None:
 
 def single_object_by_shape(backend, cfg, images_per_prompt: int, seed: int, common: dict):
     """Training-sampler (ODE) accuracy on "a photo of a <shape>" for every shape of the world,
-    in GenEval's wording."""
+    in GenEval's wording; and (images, captions) of the first 8 samples per shape for a grid."""
     world = cfg.world
     lines = [
         m
@@ -234,12 +238,15 @@ def single_object_by_shape(backend, cfg, images_per_prompt: int, seed: int, comm
         **common,
     )
     verdicts = judge(images, rows)
-    return {
+    accuracy = {
         line["include"][0]["class"]: float(
             np.mean([v["correct"] for v in verdicts if v["prompt"] == line["prompt"]])
         )
         for line in lines
     }
+    per_shape = min(8, images_per_prompt)
+    shown = [i * images_per_prompt + j for i in range(len(lines)) for j in range(per_shape)]
+    return accuracy, (images[shown], [rows[i]["prompt"] for i in shown])
 
 
 def log_to_mlflow(

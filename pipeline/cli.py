@@ -7,6 +7,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -58,6 +59,12 @@ def prompts(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None
 def base(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
     """Produce the base policy (train ShapesWorld's model and ShapesCLIP, or check SD3 weights)."""
     _run("base", params, set_)
+
+
+@app.command()
+def refine(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+    """Second pretraining cycle of ShapesWorld's base model (`base.refine_*`) -> model.path."""
+    _run("refine", params, set_)
 
 
 RunDir = Annotated[
@@ -167,11 +174,21 @@ def bench(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
 
 
 def main() -> None:
+    """Run the CLI; errors a user can act on (bad config, corrupt cache, missing weights, I/O
+    such as a full disk or a permission) print one line and exit != 0. `CREDITFLOW_DEBUG=1`
+    shows the traceback instead."""
+    if os.environ.get("CREDITFLOW_DEBUG"):
+        app()
+        return
     try:
         app()
     except CreditflowError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(exc.exit_code)
+    except OSError as exc:  # disk full, permissions, a vanished file
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -145,6 +145,10 @@ class BaseParams(Section):
     clip_steps: PositiveInt = 1500  # ShapesCLIP contrastive training steps
     clip_batch_size: PositiveInt = 64
     clip_lr: PositiveFloat = 2e-3
+    # stage `refine`: a second flow cycle from the first one's weights (a warm restart)
+    refine_steps: Annotated[int, Field(ge=0)] = 3000
+    refine_lr: PositiveFloat = 5e-4
+    refine_warmup: Annotated[int, Field(ge=0)] = 100
 
     def pretrain_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `pipeline.pretrain.pretrain_base` (not ShapesCLIP's)."""
@@ -365,17 +369,42 @@ def load_config(params: Path | str = "params.yaml", overrides: list[str] = ()) -
     if not params.is_file():
         raise ConfigError(f"params: file not found: {params}")
     try:
-        tree = yaml.safe_load(params.read_text()) or {}
+        tree = yaml.load(params.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(
-            f"params: {params.name} is not valid YAML ({exc.__class__.__name__})"
-        ) from exc
+        raise ConfigError(f"params: {params.name}{_yaml_error(exc)}") from None
+    if tree is None:
+        raise ConfigError(f"params: {params.name} is empty (expected a mapping of sections)")
     if not isinstance(tree, dict):
         raise ConfigError(f"params: {params.name} must be a mapping of sections")
     tree = apply_overrides(tree, list(overrides))
     tree["root"] = str(params.parent)
     tree["params_file"] = str(params)
     return validate(tree)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last,
+    silently dropping e.g. a whole duplicated section)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    """' line L, column C: problem' (1-based) of a YAML error, or its class name."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or exc.__class__.__name__
+    if mark is None:
+        return f" is not valid YAML ({problem})"
+    return f" line {mark.line + 1}, column {mark.column + 1}: {problem}"
 
 
 def validate(tree: dict[str, Any]) -> Config:

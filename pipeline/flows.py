@@ -9,14 +9,16 @@ is what the unit tests use; the DVC pipeline and the CLI default to Prefect.
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Any
 
-from pipeline.config import Config
+from pipeline.config import Config, CreditflowError
 
 STAGES = (
     "prompts",
     "base",
+    "refine",
     "rollout",
     "score",
     "advantages",
@@ -54,6 +56,8 @@ def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any
             return stage_task(name).fn(cfg, **kwargs)
         from prefect import Flow, flow
 
+        one_line_user_errors()
+        prefect_ready()
         work = stage_task(name)
         if isinstance(work, Flow):
             return work(cfg, **kwargs)
@@ -63,3 +67,47 @@ def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any
             return work(cfg, **kwargs)
 
         return stage_flow(cfg, kwargs)
+
+
+class _OneLineUserErrors(logging.Filter):
+    """Drops the traceback from Prefect's log of a failed task or flow when the error is one the
+    user can act on (`CreditflowError`): the CLI prints its one line. `CREDITFLOW_DEBUG=1` keeps
+    tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], CreditflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def one_line_user_errors() -> None:
+    """Install `_OneLineUserErrors` on Prefect's run loggers (once per process)."""
+    if os.environ.get("CREDITFLOW_DEBUG"):
+        return
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineUserErrors) for f in logger.filters):
+            logger.addFilter(_OneLineUserErrors())
+
+
+def prefect_ready() -> None:
+    """On a project's first use of Prefect, migrate its fresh `PREFECT_HOME` database while
+    holding a lock: every temporary server migrates it on start, and concurrent first uses
+    (three `creditflow train` at once) race on that migration and time out."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from pipeline.io import file_lock
+
+    if os.environ.get("PREFECT_API_URL"):  # a real server: it owns its database
+        return
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    with file_lock(home / "first-use.lock"):
+        if (home / "prefect.db").is_file():
+            return
+        subprocess.run(
+            [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+            check=True,
+            capture_output=True,
+        )

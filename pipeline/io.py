@@ -1,14 +1,16 @@
-"""Atomic file output: a killed stage never leaves a half-written artifact behind."""
+"""Atomic file output (a killed stage never leaves a half-written artifact behind) and
+inter-process file locks."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 
 @contextmanager
@@ -30,6 +32,22 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         _remove(tmp)
+
+
+@contextmanager
+def file_lock(path: Path, *, wait: bool = True) -> Iterator[IO[str]]:
+    """Hold an exclusive `flock` on `path` (created if missing) and yield its open handle.
+
+    The kernel drops the lock when the holder exits or is killed, so no lock is ever stale.
+    With wait=False a lock held elsewhere raises BlockingIOError at once."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        try:
+            yield handle
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _remove(path: Path) -> None:

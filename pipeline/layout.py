@@ -8,6 +8,7 @@ from pipeline.config import Config, ConfigError
 
 PROMPTS = Path("data/prompts")
 BASE = Path("data/base")
+PRETRAINED = BASE / "pretrained"  # the base model's first pretraining cycle (`refine` reads it)
 TRAIN = Path("data/train")
 EVAL = Path("data/eval")
 REPORTS = Path("reports")

@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import socket
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, CreditflowError
 from pipeline.grpo import add_lora, load_lora_state, lora_parameters, lora_state_dict
-from pipeline.io import atomic_path, write_json
+from pipeline.io import atomic_path, file_lock, write_json
 
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
 INPUTS_FILE = "inputs.json"
@@ -41,6 +46,7 @@ _SPEED_KEYS = (
     "score.estimate_images",
 )
 REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart
+LOCKS_DIR = ".locks"  # data/train/.locks/<run>.lock: who is training a run now
 _CONTENT_HASH_LIMIT = 64 * 2**20  # bytes; larger files (SD3.5 weights) go by size and mtime
 
 
@@ -104,10 +110,19 @@ class Policy:
         checkpoint = Path(checkpoint)
         if not (checkpoint / "lora.safetensors").is_file():
             raise ConfigError(f"checkpoint: no lora.safetensors in {checkpoint}")
-        load_lora_state(self.backend.transformer, load_file(checkpoint / "lora.safetensors"))
-        if with_optimizer:
-            self.optimizer.load_state_dict(torch.load(checkpoint / "optimizer.pt"))
-            torch.set_rng_state(torch.load(checkpoint / "rng.pt"))
+        path = checkpoint / "lora.safetensors"
+        try:
+            load_lora_state(self.backend.transformer, load_file(path))
+            if with_optimizer:
+                path = checkpoint / "optimizer.pt"
+                self.optimizer.load_state_dict(torch.load(path))
+                path = checkpoint / "rng.pt"
+                torch.set_rng_state(torch.load(path))
+        except (OSError, RuntimeError, ValueError, SafetensorError) as exc:  # truncated, corrupt
+            raise CheckpointError(
+                f"{path}: unreadable checkpoint file ({str(exc).splitlines()[0]}); move the "
+                f"round aside (e.g. {checkpoint.name}.broken) to resume from the one before"
+            ) from exc
 
 
 def checkpoints(directory: Path) -> dict[int, Path]:
@@ -170,6 +185,63 @@ def run_inputs(cfg: Config) -> dict[str, str]:
     return inputs
 
 
+def changed_inputs(inputs: dict[str, str], recorded: dict[str, str]) -> list[str]:
+    """The keys whose values differ between two `run_inputs` records, sorted."""
+    return sorted(k for k in inputs.keys() | recorded.keys() if inputs.get(k) != recorded.get(k))
+
+
+def check_same_sampling(cfg: Config, run: Path) -> None:
+    """ConfigError unless the config samples the way `run` was trained (its `inputs.json`):
+    the same model, schedule and SDE (`model`, `sampling`, `rollout` params and base model
+    digest). Runs without a record (bare rollout caches) pass."""
+    record = Path(run) / INPUTS_FILE
+    if not record.is_file():
+        return
+    recorded = json.loads(record.read_text())
+    sections = ("model.", "sampling.", "rollout.", "digest.base_model")
+    inputs = run_inputs(cfg)
+    changed = [k for k in changed_inputs(inputs, recorded) if k.startswith(sections)]
+    if changed:
+        key = changed[0]
+        raise ConfigError(
+            f"{key}: {run} was trained with {recorded.get(key, 'none')}, the params give "
+            f"{inputs.get(key, 'none')} ({len(changed)} such difference(s): use the run's params)"
+        )
+
+
+class CheckpointError(CreditflowError):
+    """A checkpoint file that cannot be read back."""
+
+
+class RunLockedError(CreditflowError):
+    """Another process is training the same run."""
+
+    exit_code = 3
+
+
+@contextmanager
+def run_lock(run: Path) -> Iterator[None]:
+    """Hold an exclusive lock on training run `run` (`<runs>/.locks/<run>.lock`), or raise
+    RunLockedError naming the holder. The lock is an flock: the kernel drops it when its holder
+    exits or is killed, so a crashed run never leaves a stale lock; the file stays, with the
+    last holder's pid, host and start time."""
+    path = Path(run).parent / LOCKS_DIR / f"{Path(run).name}.lock"
+    with ExitStack() as stack:
+        try:
+            handle = stack.enter_context(file_lock(path, wait=False))
+        except BlockingIOError:
+            holder = path.read_text().strip() or "another process"
+            raise RunLockedError(
+                f"{run} is being trained by {holder}; wait for it to finish or stop it"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {started}\n")
+        handle.flush()
+        yield
+
+
 def prepare_run(cfg: Config, run: Path) -> None:
     """Keep `run` for resuming when it was made from these inputs; otherwise move it aside to
     `<runs>/.replaced/<run>-<time>` (warning what changed and where it went when it held
@@ -186,8 +258,7 @@ def prepare_run(cfg: Config, run: Path) -> None:
         if recorded is None:
             why = "no record of its inputs"
         else:
-            changed = sorted(k for k in inputs.keys() | recorded.keys()
-                             if inputs.get(k) != recorded.get(k))  # fmt: skip
+            changed = changed_inputs(inputs, recorded)
             more = len(changed) - 6
             why = "changed: " + ", ".join(changed[:6]) + (f" and {more} more" if more > 0 else "")
         stamp = time.strftime("%Y%m%d-%H%M%S")

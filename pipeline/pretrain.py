@@ -22,6 +22,7 @@ Two phases, both on ShapesWorld renders drawn on the fly from random training me
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -229,10 +230,14 @@ def pretrain_base(
     text_layers: int = 2,
     text_heads: int = 2,
     max_length: int = 12,
+    refine_steps: int = 0,
+    refine_lr: float = 3e-4,
+    refine_warmup: int = 100,
     snapshot_every: int = 0,
     snapshot_dir: str | Path | None = None,
     progress: bool = True,
     render_batch: RenderBatch | None = None,
+    resume_from: str | Path | None = None,
 ) -> dict:
     """Train the embedded base policy on ``prompts`` (training metadata) and save it to out_dir.
 
@@ -241,6 +246,13 @@ def pretrain_base(
     Flow phase: ``steps`` AdamW steps of ``batch_size``, lr warmed up linearly over ``warmup``
     steps then ``lr_decay`` ("cosine" or "constant"), EMA of the weights with ``ema_decay``;
     logit-normal t (t_mean, t_std).
+    Refine cycle (``refine_steps`` > 0): a second flow cycle that restarts from the first one's
+    EMA weights with a fresh optimizer and EMA, a ``refine_warmup`` warmup to ``refine_lr`` and a
+    cosine decay over ``refine_steps`` (a warm restart, Loshchilov & Hutter 2017), drawing its
+    batches and noise from generators seeded by (seed, 1), so that it depends on the first cycle
+    only through the saved weights. ``resume_from`` is a directory written by an earlier call
+    whose arguments equal this one's except ``refine_*`` (else ValueError): its first cycle is
+    loaded instead of retrained, giving the same result as a run from scratch.
     Autoencoder phase: ae_* (skipped with ``latent_channels=0``: pixel space). Model dims as in
     ``ShapesConfig``. With ``snapshot_every`` > 0 the EMA model is also saved every that many
     flow steps to ``snapshot_dir/step-NNNNNN``; with a constant lr after warmup the snapshot at
@@ -250,26 +262,109 @@ def pretrain_base(
     returns that history: {"flow_loss": [...], "ae_loss": [...], "seconds": {...},
     "cpu_seconds": {...}, "config": {...}, "params": {...}, "num_parameters": {...}}.
     """
-    arguments = {k: v for k, v in locals().items() if k not in {"prompts", "render_batch"}}
-    arguments.update(out_dir=str(out_dir), snapshot_dir=snapshot_dir and str(snapshot_dir))
+    arguments = {
+        k: v for k, v in locals().items() if k not in {"prompts", "render_batch", "resume_from"}
+    }
+    arguments.update(
+        out_dir=str(out_dir),
+        snapshot_dir=snapshot_dir and str(snapshot_dir),
+        prompts_sha256=prompts_digest(prompts),
+    )
     render_batch = render_batch or _default_render()
+    if resume_from is not None:
+        backend, history = _resume(Path(resume_from), arguments)
+    else:
+        backend, history = _first_cycle(prompts, render_batch, arguments)
+    if refine_steps:
+        rng = np.random.default_rng([seed, 1])
+        clock = _Clock(history)
+        flow_losses = history["flow_loss"]
+        _train_flow(
+            backend,
+            _batches(prompts, batch_size, rng),
+            lambda metas: render_batch(metas, rng, image_size).float(),
+            torch.Generator().manual_seed(seed + 2),
+            flow_losses,
+            steps=refine_steps,
+            lr=refine_lr,
+            warmup=refine_warmup,
+            decay_steps=refine_steps,
+            snapshot_every=0,
+            snapshot=lambda step: None,
+            **{k: arguments[k] for k in _FLOW_ARGS},
+        )
+        clock.lap("refine")
+    history["params"] = arguments
+    _save(backend, Path(out_dir), history)
+    return history
+
+
+def prompts_digest(prompts: list[dict]) -> str:
+    """sha256 of the pretraining scenes, order included (it fixes the batches drawn)."""
+    text = json.dumps(prompts, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# the arguments that only the refine cycle reads, and those that do not change the weights
+_REFINE_ARGS = {"refine_steps", "refine_lr", "refine_warmup"}
+_NON_MODEL_ARGS = {"out_dir", "snapshot_every", "snapshot_dir", "progress"}
+# the flow-phase arguments both cycles share
+_FLOW_ARGS = (
+    "weight_decay",
+    "grad_clip",
+    "ema_decay",
+    "caption_dropout",
+    "t_mean",
+    "t_std",
+    "progress",
+)
+
+
+def _resume(directory: Path, arguments: dict) -> tuple[ShapesBackend, dict]:
+    """Load the first cycle of an earlier run from ``directory`` after checking that it was made
+    with these arguments (ValueError naming the differences otherwise)."""
+    history = json.loads((directory / HISTORY_FILE).read_text())
+    ignored = _REFINE_ARGS | _NON_MODEL_ARGS
+    made = {k: v for k, v in history["params"].items() if k not in ignored}
+    wanted = json.loads(json.dumps({k: v for k, v in arguments.items() if k not in ignored}))
+    differing = sorted(k for k in made.keys() | wanted.keys() if made.get(k) != wanted.get(k))
+    if differing or history["params"].get("refine_steps", 0):
+        raise ValueError(
+            f"cannot resume from {directory}: it was pretrained with other arguments "
+            f"({', '.join(differing) or 'a refine cycle already'})"
+        )
+    history.pop("config", None)
+    return ShapesBackend.from_pretrained(directory), history
+
+
+def _first_cycle(
+    prompts: list[dict], render_batch: RenderBatch, arguments: dict
+) -> tuple[ShapesBackend, dict]:
+    """Autoencoder and first flow cycle from scratch (``pretrain_base``'s arguments)."""
+    a = arguments
+    seed, image_size, steps = a["seed"], a["image_size"], a["steps"]
+    snapshot_every, snapshot_dir = a["snapshot_every"], a["snapshot_dir"]
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     noise_gen = torch.Generator().manual_seed(seed + 1)
-
     config = ShapesConfig(
         image_size=image_size,
-        latent_channels=latent_channels,
-        ae_channels=tuple(ae_channels),
-        patch_size=patch_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        head_dim=head_dim,
-        text_dim=text_dim,
-        text_layers=text_layers,
-        text_heads=text_heads,
-        max_length=max_length,
+        ae_channels=tuple(a["ae_channels"]),
         vocab=vocabulary([m["prompt"] for m in prompts] + _world_prompts()),
+        **{
+            k: a[k]
+            for k in (
+                "latent_channels",
+                "patch_size",
+                "num_layers",
+                "num_heads",
+                "head_dim",
+                "text_dim",
+                "text_layers",
+                "text_heads",
+                "max_length",
+            )
+        },
     )
     backend = ShapesBackend.from_config(config, seed=seed)
     history = {
@@ -291,13 +386,13 @@ def pretrain_base(
     if backend.autoencoder is not None:
         history["ae_loss"] = train_autoencoder(
             backend,
-            _batches(prompts, ae_batch_size, rng),
+            _batches(prompts, a["ae_batch_size"], rng),
             render,
-            steps=ae_steps,
-            lr=ae_lr,
-            object_weight=ae_object_weight,
-            kl_weight=ae_kl_weight,
-            progress=progress,
+            steps=a["ae_steps"],
+            lr=a["ae_lr"],
+            object_weight=a["ae_object_weight"],
+            kl_weight=a["ae_kl_weight"],
+            progress=a["progress"],
         )
     clock.lap("autoencoder")
 
@@ -311,28 +406,21 @@ def pretrain_base(
     flow_losses: list[float] = []
     _train_flow(
         backend,
-        _batches(prompts, batch_size, rng),
+        _batches(prompts, a["batch_size"], rng),
         render,
         noise_gen,
         flow_losses,
         steps=steps,
-        lr=lr,
-        warmup=warmup,
-        decay_steps=steps if lr_decay == "cosine" else None,
-        weight_decay=weight_decay,
-        grad_clip=grad_clip,
-        ema_decay=ema_decay,
-        caption_dropout=caption_dropout,
-        t_mean=t_mean,
-        t_std=t_std,
+        lr=a["lr"],
+        warmup=a["warmup"],
+        decay_steps=steps if a["lr_decay"] == "cosine" else None,
         snapshot_every=snapshot_every,
         snapshot=snapshot,
-        progress=progress,
+        **{k: a[k] for k in _FLOW_ARGS},
     )
     history["flow_loss"] = flow_losses
     clock.lap("flow")
-    _save(backend, Path(out_dir), history)
-    return history
+    return backend, history
 
 
 class _Clock:

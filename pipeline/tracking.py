@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipeline.io import file_lock
+
 if TYPE_CHECKING:
     import mlflow
 
@@ -28,6 +30,7 @@ EXPERIMENT = "creditflow"
 PIPELINE_TAG = "creditflow.pipeline"  # on every run of one pipeline run
 PARENT_TAG = "creditflow.parent"  # on the parent run alone
 STAGE_TAG = "creditflow.stage"
+DATABASE = "mlflow.db"
 
 
 def configure_environment(root: Path) -> None:
@@ -56,7 +59,7 @@ def configure_environment(root: Path) -> None:
 
 
 def tracking_uri(root: Path) -> str:
-    return f"sqlite:///{Path(root).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{Path(root).resolve() / DATABASE}"
 
 
 def pipeline_key(cfg: Config) -> str:
@@ -122,8 +125,11 @@ def stage_run(cfg: Config, stage: str, name: str | None = None) -> Iterator[mlfl
     """A child run of this pipeline run's parent, with the flattened params logged at start."""
     import mlflow
 
-    experiment_id = _experiment_id(cfg.root)
-    parent = _parent_run_id(cfg, experiment_id)
+    # one process at a time: the first use creates the database schema, and two stages of one
+    # pipeline run must find (not both create) its parent run
+    with file_lock(Path(cfg.root) / f"{DATABASE}.lock"):
+        experiment_id = _experiment_id(cfg.root)
+        parent = _parent_run_id(cfg, experiment_id)
     run_name = name or stage
     with mlflow.start_run(
         experiment_id=experiment_id,

@@ -48,6 +48,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import torch
 
+from pipeline.config import CreditflowError
+
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"creditflow.schema_version"
 TABLE_KEY = b"creditflow.table"
@@ -78,7 +80,7 @@ _ROLLOUT_STEP_COLUMNS = [
 ]
 
 
-class TrajectoryCacheError(RuntimeError):
+class TrajectoryCacheError(CreditflowError, RuntimeError):
     """A cache round is missing, incomplete, truncated, or written by an unknown schema."""
 
 
@@ -348,17 +350,19 @@ def _complete_files(root: Path, table: str, round: int) -> list[Path]:
     return paths
 
 
-def list_rounds(root: Path, table: str = STEPS) -> list[int]:
-    """Complete rounds of a table, ascending (for ``steps``: complete rollouts)."""
+def cached_rounds(root: Path, table: str = STEPS) -> list[int]:
+    """Rounds of a table with a directory, complete or not, ascending."""
     base = Path(root) / table
     if not base.exists():
         return []
-    rounds = []
-    for child in base.iterdir():
-        match = _ROUND_DIR.match(child.name)
-        if match and (child / MANIFEST_NAME).exists():
-            rounds.append(int(match.group(1)))
-    return sorted(rounds)
+    found = (_ROUND_DIR.match(child.name) for child in base.iterdir())
+    return sorted(int(match.group(1)) for match in found if match)
+
+
+def list_rounds(root: Path, table: str = STEPS) -> list[int]:
+    """Complete rounds of a table, ascending (for ``steps``: complete rollouts)."""
+    rounds = cached_rounds(root, table)
+    return [r for r in rounds if (round_dir(root, table, r) / MANIFEST_NAME).exists()]
 
 
 def open_dataset(root: Path, table: str = STEPS, rounds: Sequence[int] | None = None) -> ds.Dataset:

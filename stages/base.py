@@ -1,6 +1,7 @@
 """`base` stage: the base policy and the learned reward.
 
-ShapesWorld: pretrain the embedded flow model (`data/base/model`) and ShapesCLIP
+ShapesWorld: pretrain the embedded flow model's autoencoder and first flow cycle
+(`data/base/pretrained`; the `refine` stage turns it into `data/base/model`) and ShapesCLIP
 (`data/base/shapesclip`) on renders; write the loss curve and the summary metrics to
 `reports/base/`. SD3: check the local weights directory, train nothing.
 
@@ -33,14 +34,12 @@ def base(cfg: Config) -> dict[str, float]:
         return {}
     from pipeline.pretrain import pretrain_base
     from pipeline.shapesclip import train_shapesclip
-    from pipeline.world import whole_world
 
     world = cfg.world
-    world_lines = whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
-    scenes = world_lines if cfg.base.pool == "world" else layout.load_prompts(cfg, "train")
-    with atomic_path(cfg.path(cfg.model.path)) as tmp:
+    first_cycle = {**cfg.base.pretrain_kwargs(), "refine_steps": 0}
+    with atomic_path(cfg.path(layout.PRETRAINED)) as tmp:
         history = pretrain_base(
-            tmp, prompts=scenes, image_size=world.image_size, **cfg.base.pretrain_kwargs()
+            tmp, prompts=pretrain_pool(cfg), image_size=world.image_size, **first_cycle
         )
     clip = train_shapesclip(
         cfg.path(SHAPESCLIP_DIR),
@@ -49,7 +48,7 @@ def base(cfg: Config) -> dict[str, float]:
         lr=cfg.base.clip_lr,
         seed=cfg.base.seed,
         image_size=world.image_size,
-        pool=world_lines,  # captions of the configured world (hard negatives may leave it)
+        pool=world_lines(cfg),  # captions of the configured world (hard negatives may leave it)
     )
     losses = history["flow_loss"]
     tail = losses[-max(1, len(losses) // 10) :]
@@ -67,7 +66,20 @@ def base(cfg: Config) -> dict[str, float]:
     return metrics
 
 
-def loss_curve(losses: list[float], path) -> None:
+def world_lines(cfg: Config) -> list[dict]:
+    """Every scene of the configured world, as metadata lines."""
+    from pipeline.world import whole_world
+
+    world = cfg.world
+    return whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
+
+
+def pretrain_pool(cfg: Config) -> list[dict]:
+    """The scenes the base model pretrains on (`base.pool`, module docstring)."""
+    return world_lines(cfg) if cfg.base.pool == "world" else layout.load_prompts(cfg, "train")
+
+
+def loss_curve(losses: list[float], path, restart: int | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +92,8 @@ def loss_curve(losses: list[float], path) -> None:
     window = max(1, len(losses) // 50)
     smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
     ax.plot(steps[window - 1 :], smooth, lw=1.5, label=f"mean of {window}")
+    if restart is not None:
+        ax.axvline(restart, color="k", lw=0.8, ls="--", label="refine restart")
     ax.set(xlabel="step", ylabel="flow-matching loss", yscale="log", title="Base model pretraining")
     ax.legend()
     fig.tight_layout()

@@ -1,8 +1,10 @@
 """`rescore` stage: score existing rollouts with another reward mix, without sampling again.
 
 Reads `<rollouts>` (a rollout cache, e.g. `data/train/flow_grpo-s0/rollouts`) and never writes
-to it; writes the new score tables to `<out>/scores/round=<r>/`, then compares the new reward
-with the one the rollouts were trained on: per-state Spearman rank correlation across
+to it; refuses params that sample differently from the run's record and rounds without a
+manifest before any work; writes the new score tables of every round to a temporary directory
+that replaces `<out>` (`<out>/scores/round=<r>/`) only when all are done, then compares the new
+reward with the one the rollouts were trained on: per-state Spearman rank correlation across
 trajectories, and the share of (trajectory, step) advantages whose sign flips. The comparison
 goes to `reports/rescore/summary.{json,md}` and MLflow.
 """
@@ -19,11 +21,18 @@ from scipy.stats import spearmanr
 
 from pipeline import layout, rounds
 from pipeline.config import Config, ConfigError, check_reward_mix
-from pipeline.io import write_json, write_text
-from pipeline.policy import load_backend, restore
+from pipeline.io import atomic_path, write_json, write_text
+from pipeline.policy import check_same_sampling, load_backend, restore
 from pipeline.rewards import RewardMix, parse_mix
 from pipeline.tracking import log_metrics
-from pipeline.trajectories import STEPS, list_rounds, read_rollout, read_scores, write_scores
+from pipeline.trajectories import (
+    STEPS,
+    cached_rounds,
+    list_rounds,
+    read_rollout,
+    read_scores,
+    write_scores,
+)
 from stages.score import estimators_for, trajectory_metadata
 
 
@@ -53,10 +62,30 @@ def rank_agreement(old, new) -> dict[str, float]:
 def rescore(cfg: Config, rollouts: Path, rewards: str, out: Path) -> dict[str, float]:
     rollouts, out = cfg.path(rollouts), cfg.path(out)
     mix = RewardMix(cfg, reward_mix(rewards))
+    run = rollouts.parent
+    check_same_sampling(cfg, run)  # before any work: the scores must match the rollouts
     done = list_rounds(rollouts, STEPS)
     if not done:
         raise ConfigError(f"--rollouts: no complete round with cached states under {rollouts}")
-    run = rollouts.parent
+    if incomplete := sorted(set(cached_rounds(rollouts, STEPS)) - set(done)):
+        raise ConfigError(
+            f"--rollouts: round {incomplete[0]} under {rollouts} has no manifest (an interrupted "
+            "write?); finish or remove that round first"
+        )
+    # all rounds into a temporary directory, swapped in at the end: `out` never mixes rewards
+    with atomic_path(out) as tmp:
+        summary, rhos = _rescore_rounds(cfg, run, rollouts, done, mix, tmp)
+    report = cfg.path(layout.REPORTS / "rescore")
+    write_json(report / "summary.json", summary | {"rollouts": str(rollouts), "rewards": rewards})
+    write_text(report / "summary.md", _markdown(rollouts, rewards, summary, rhos[-1]))
+    log_metrics({k: v for k, v in summary.items() if "/" not in k})
+    return summary
+
+
+def _rescore_rounds(
+    cfg: Config, run: Path, rollouts: Path, done: list[int], mix: RewardMix, out: Path
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Score every round in `done` with `mix` into `out`; the summary and per-round Spearman ρ."""
     summary: dict[str, float] = {}
     flips, rhos = [], []
     for r in done:
@@ -72,7 +101,7 @@ def rescore(cfg: Config, rollouts: Path, rewards: str, out: Path) -> dict[str, f
             counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
         ).table  # fmt: skip
         rounds.check_finite(new)
-        write_scores(out, r, new, overwrite=True)
+        write_scores(out, r, new)
         old = read_scores(rollouts, r).drop(columns="round")
         old_adv = rounds.assign_credit(rollout.method, old, rollout.group_ids, schedule, cfg)
         new_adv = rounds.assign_credit(rollout.method, new, rollout.group_ids, schedule, cfg)
@@ -87,11 +116,7 @@ def rescore(cfg: Config, rollouts: Path, rewards: str, out: Path) -> dict[str, f
     summary["spearman_final"] = float(np.mean(finals)) if finals else float("nan")
     steps = [v for rho in rhos for k, v in rho.items() if not k.startswith("spearman/final")]
     summary["spearman_steps"] = float(np.mean(steps)) if steps else float("nan")
-    report = cfg.path(layout.REPORTS / "rescore")
-    write_json(report / "summary.json", summary | {"rollouts": str(rollouts), "rewards": rewards})
-    write_text(report / "summary.md", _markdown(rollouts, rewards, summary, rhos[-1]))
-    log_metrics({k: v for k, v in summary.items() if "/" not in k})
-    return summary
+    return summary, rhos
 
 
 def _markdown(rollouts: Path, rewards: str, summary: dict, last_rho: dict) -> str:

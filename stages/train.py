@@ -19,7 +19,7 @@ from pipeline import layout
 from pipeline.config import Config
 from pipeline.flows import call
 from pipeline.io import write_json
-from pipeline.policy import checkpoints, load_backend, prepare_run, restore
+from pipeline.policy import checkpoints, load_backend, prepare_run, restore, run_lock
 from pipeline.tracking import log_metrics
 from pipeline.trajectories import STEPS, list_rounds, round_dir
 from stages.advantages import advantages
@@ -33,6 +33,11 @@ from stages.update import update
 def train(cfg: Config) -> dict[str, float]:
     run = layout.train_run(cfg)
     backend = load_backend(cfg)  # first: a bad model path must fail before the run is touched
+    with run_lock(run):  # a second train of this run must not move or overwrite its rounds
+        return _train(cfg, run, backend)
+
+
+def _train(cfg: Config, run, backend) -> dict[str, float]:
     prepare_run(cfg, run)
     policy = restore(cfg, run, backend=backend)
     done = checkpoints(run / "checkpoints")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -96,3 +97,56 @@ def test_cli_typo_exits_2_with_one_line_and_writes_nothing(project):
         "error: train.method: 'stepwise_typo' is not one of flow_grpo, stepwise, tp_grpo\n"
     )
     assert sorted(p.name for p in project.iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train:\n  rounds: 2\ntrain:\n  rounds: 3\n", "line 3, column 1: duplicate key 'train'"),
+        ("update:\n  lr: 1\n  lr: 2\n", "line 3, column 3: duplicate key 'lr'"),
+        ("", "is empty"),
+        ("# only a comment\n", "is empty"),
+        ("train:\n  rounds: [1, 2\n", "line 3, column 1: expected ',' or ']'"),
+        ("rollout:\n  eta: {stepwise: 1.5}\n", "rollout.eta"),
+    ],
+)
+def test_params_file_mistakes_are_refused_at_load_with_their_place(tmp_path, text, message):
+    params = tmp_path / "params.yaml"
+    params.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(params)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_user_errors_are_one_line_under_prefect_and_io_errors_too(project):
+    """The real CLI through Prefect: a user error (here a missing base model, raised inside the
+    flow) prints no traceback; an OSError (unwritable run directory) is one line; with
+    CREDITFLOW_DEBUG=1 the traceback is back."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CREDITFLOW_")}
+    command = [sys.executable, "-m", "pipeline.cli", "rollout", "--params",
+               str(project / "params.yaml"), "-S", "model.path=missing"]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: model.path: no ShapesWorld model")
+    debug = subprocess.run(
+        command, capture_output=True, text=True, check=False, env=env | {"CREDITFLOW_DEBUG": "1"}
+    )
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_an_os_error_is_one_line_naming_the_file(monkeypatch, capsys):
+    import pipeline.cli as cli
+
+    def full_disk():
+        raise OSError(28, "No space left on device", "data/train/x/rollouts/part-0.parquet")
+
+    monkeypatch.delenv("CREDITFLOW_DEBUG", raising=False)
+    monkeypatch.setattr(cli, "app", full_disk)
+    with pytest.raises(SystemExit) as exited:
+        cli.main()
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == (
+        "error: No space left on device: data/train/x/rollouts/part-0.parquet\n"
+    )

@@ -242,3 +242,36 @@ def test_pretrain_is_deterministic_and_snapshots_equal_shorter_runs(tmp_path):
     assert_same_weights(tmp_path / "c", tmp_path / "snap" / "step-000002")
     # The vocabulary covers the whole world, held-out prompts included.
     assert "triangle" in model.config.vocab and "four" in model.config.vocab
+
+
+def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
+    train, _ = make_prompts(24, 6, seed=0)
+    kwargs = dict(
+        prompts=train, steps=3, batch_size=4, warmup=1, ae_steps=2, ae_batch_size=4, seed=5,
+        progress=False, **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
+    )  # fmt: skip
+    refine = dict(refine_steps=3, refine_lr=5e-4, refine_warmup=1)
+    scratch = pretrain_base(tmp_path / "scratch", **kwargs, **refine)
+    pretrain_base(tmp_path / "first", **kwargs)
+    resumed = pretrain_base(
+        tmp_path / "resumed", resume_from=tmp_path / "first", **kwargs, **refine
+    )
+    assert resumed["flow_loss"] == scratch["flow_loss"] and len(scratch["flow_loss"]) == 6
+    assert set(resumed["seconds"]) == {"autoencoder", "flow", "refine"}
+    assert_same_weights(tmp_path / "scratch", tmp_path / "resumed")
+    # the refine cycle moved the weights away from the first cycle's
+    first = ShapesBackend.from_pretrained(tmp_path / "first").transformer.parameters()
+    assert any(
+        not torch.equal(a, b)
+        for a, b in zip(first, resumed and ShapesBackend.from_pretrained(
+            tmp_path / "resumed").transformer.parameters(), strict=True)
+    )  # fmt: skip
+    # a first cycle made with other arguments (or other scenes) is refused, naming the difference
+    with pytest.raises(ValueError, match="seed"):
+        pretrain_base(tmp_path / "x", resume_from=tmp_path / "first", **{**kwargs, "seed": 6})
+    with pytest.raises(ValueError, match="prompts_sha256"):
+        pretrain_base(
+            tmp_path / "y", resume_from=tmp_path / "first", **{**kwargs, "prompts": train[:-1]}
+        )
+    with pytest.raises(ValueError, match="refine cycle"):
+        pretrain_base(tmp_path / "z", resume_from=tmp_path / "scratch", **kwargs, **refine)

@@ -37,6 +37,7 @@ SMOKE = [
     "base.text_dim=16",
     "base.text_layers=1",
     "base.clip_steps=10",
+    "base.refine_steps=3",
     "base.clip_batch_size=8",
     "sampling.num_steps=4",
     "sampling.eval_num_steps=4",
@@ -86,7 +87,8 @@ def test_fresh_clone_dag_and_dry_run_list_every_stage(tmp_path):
     # A plain `--dry` trips over DVC's run-cache lookup of not-yet-built deps on a fresh clone
     # (treeverse/dvc#9021); `--force` skips that lookup and lists every stage.
     dry = run(["dvc", "repro", "--dry", "--force"], root, env).stdout
-    for stage in ("prompts", "base", "train@tp_grpo-0", "evaluate@stepwise-0", "rescore", "bench"):
+    stages = ("prompts", "base", "refine", "train@tp_grpo-0", "evaluate@stepwise-0", "rescore")
+    for stage in (*stages, "bench"):
         assert f"Running stage '{stage}'" in dry
     assert not (root / "data/prompts").exists()  # a dry run builds nothing
 
@@ -104,6 +106,8 @@ def test_repro_produces_every_report_without_errors(reproduced):
     for name in [
         "reports/base/metrics.json",
         "reports/base/loss.png",
+        "reports/base/refine_metrics.json",
+        "reports/base/refine_loss.png",
         "reports/eval/base/metrics.json",
         "reports/eval/base/samples.png",
         "reports/rescore/summary.md",

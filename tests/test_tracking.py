@@ -35,3 +35,29 @@ def test_stages_of_one_params_file_share_one_parent(project, monkeypatch, tmp_pa
     assert trained["metrics.reward/mean"] == 0.5
     assert trained["params.train.method"] == "tp_grpo"
     assert "metrics.bad" not in runs.columns  # a NaN metric is dropped, not logged
+
+
+def test_three_concurrent_first_uses_of_a_fresh_project_all_succeed(project):
+    """Three `creditflow prompts` at once on a project with no MLflow database and no Prefect
+    home: the schema creation and the Prefect database migration happen once, under a lock."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env |= {"OMP_NUM_THREADS": "1", "CREDITFLOW_ORCHESTRATION": "prefect"}
+    command = [sys.executable, "-m", "pipeline.cli", "prompts", "--params",
+               str(project / "params.yaml")]  # fmt: skip
+    runs = [
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(3)
+    ]
+    for run in runs:
+        output = run.communicate(timeout=600)[0]
+        assert run.returncode == 0, output[-2000:]
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("creditflow").experiment_id])
+    assert sorted(r.info.run_name for r in runs if PARENT_TAG not in r.data.tags) == ["prompts"] * 3
+    assert sum(PARENT_TAG in r.data.tags for r in runs) == 1  # one parent, not three

@@ -281,3 +281,18 @@ def test_nfe_budget_stops_the_run_and_probes_its_final_policy(tiny_project):
     ]
     cfg, summary = train(tiny_project, budget)  # a rerun trains nothing more
     assert summary["rounds"] == 2
+
+
+def test_a_second_train_of_a_locked_run_fails_naming_the_holder_and_touches_nothing(tiny_project):
+    from pipeline.policy import RunLockedError, run_lock
+
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    run = train_run(cfg)
+    stamps = {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()}
+    with run_lock(run):  # as another `creditflow train` of the same run would hold it
+        with pytest.raises(RunLockedError, match=rf"{run.name} is being trained by pid \d+ on "):
+            train(tiny_project, ["train.rounds=2", "update.lr=0.01"])  # other inputs, even
+        assert {p: p.stat().st_mtime_ns for p in run.rglob("*") if p.is_file()} == stamps
+    # released on exit: training the run again goes on from its checkpoint
+    train(tiny_project, ["train.rounds=2"])
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0000", "round-0001"]
