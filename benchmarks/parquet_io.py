@@ -35,6 +35,7 @@ from pipeline.trajectories import (
     open_dataset,
     read_rollout,
     round_dir,
+    sha256_file,
     write_rollout,
 )
 
@@ -103,7 +104,7 @@ def _round_bytes(root: Path) -> dict[str, int]:
 
 def run(n: int, t: int, size: int, repeats: int) -> dict:
     rollout = synthetic_rollout(n, t, size)
-    writes, full_reads, scoring_reads = [], [], []
+    writes, full_reads, scoring_reads, verifies = [], [], [], []
     workdir = Path(tempfile.mkdtemp(prefix="parquet_io-"))
     try:
         for repeat in range(repeats):
@@ -115,12 +116,18 @@ def run(n: int, t: int, size: int, repeats: int) -> dict:
             scoring_reads.append(
                 _timed(lambda root=root: open_dataset(root).to_table(columns=SCORING_COLUMNS))[0]
             )
+            files = [
+                p for name in (STEPS, FINALS) for p in round_dir(root, name, 0).glob("*.parquet")
+            ]
+            verifies.append(_timed(lambda files=files: [sha256_file(p) for p in files])[0])
         sizes = _round_bytes(workdir / "run0")
     finally:
         shutil.rmtree(workdir)
 
     mb = lambda count: count / 1e6  # noqa: E731
-    write_s, read_s, scoring_s = map(statistics.median, (writes, full_reads, scoring_reads))
+    write_s, read_s, scoring_s, verify_s = map(
+        statistics.median, (writes, full_reads, scoring_reads, verifies)
+    )
     return {
         "config": {"trajectories": n, "steps": t, "state_shape": [3, size, size], "dtype": "fp32"},
         "environment": {
@@ -142,6 +149,8 @@ def run(n: int, t: int, size: int, repeats: int) -> dict:
         "read_rollout_mb_s": round(mb(_tensor_bytes(rollout)) / read_s, 1),
         "read_scoring_columns_s": round(scoring_s, 4),
         "read_scoring_columns_mb_s": round(mb(sizes["scoring"]) / scoring_s, 1),
+        "verify_sha256_s": round(verify_s, 4),
+        "verify_share_of_read_rollout": round(verify_s / read_s, 3),
     }
 
 

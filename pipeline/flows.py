@@ -14,6 +14,7 @@ import os
 from typing import Any
 
 from pipeline.config import Config, CreditflowError
+from pipeline.leftovers import claim_prefect_server, stop_orphan_prefect_servers
 
 STAGES = (
     "prompts",
@@ -57,6 +58,8 @@ def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any
         from prefect import Flow, flow
 
         one_line_user_errors()
+        claim_prefect_server()
+        stop_orphan_prefect_servers()
         prefect_ready()
         work = stage_task(name)
         if isinstance(work, Flow):

@@ -1,9 +1,10 @@
-"""Atomic file output (a killed stage never leaves a half-written artifact behind) and
-inter-process file locks."""
+"""Atomic file output (a killed stage never leaves a half-written artifact behind, and the next
+writer of the same path clears what a killed one left) and inter-process file locks."""
 
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling of `path` to write to; on success it replaces `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    clear_stale_writes(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     _remove(tmp)
     try:
@@ -32,6 +34,37 @@ def atomic_path(path: Path) -> Iterator[Path]:
             os.replace(tmp, path)
     finally:
         _remove(tmp)
+
+
+def clear_stale_writes(path: Path) -> None:
+    """Clear the siblings that writers of `path` killed mid-write left (their pid is gone).
+
+    A `.tmp-PID` is an unfinished output: removed. An `.old-PID` is the previous result, moved
+    aside for a directory swap: put back when `path` is missing (the kill fell between the two
+    renames), removed when the new result is in place.
+    """
+    path = Path(path)
+    stale = []
+    for sibling in path.parent.glob(f".{glob.escape(path.name)}.*-*"):
+        kind, _, pid = sibling.name[len(path.name) + 2 :].partition("-")
+        if kind in ("old", "tmp") and pid.isdigit() and not pid_alive(int(pid)):
+            stale.append((kind, sibling))
+    for kind, sibling in sorted(stale):  # "old" first: restore before discarding a partial
+        if kind == "old" and not (path.exists() or path.is_symlink()):
+            os.replace(sibling, path)
+        else:
+            _remove(sibling)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (on this machine)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 @contextmanager

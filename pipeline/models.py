@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -95,6 +96,19 @@ class PromptEmbeds:
         return PromptEmbeds(
             torch.cat([p.hidden for p in parts]), torch.cat([p.pooled for p in parts])
         )
+
+
+def encode_cached(
+    cache: dict[str, PromptEmbeds], prompts: list[str], encode: Callable[[list[str]], PromptEmbeds]
+) -> PromptEmbeds:
+    """`encode` each prompt missing from `cache` on its own, then gather the B rows of `prompts`.
+
+    On its own, because a batched encode's bits depend on the batch: a resumed run meets its
+    prompts in other company than the uninterrupted run did, and must see the same embeddings.
+    """
+    for prompt in sorted(set(prompts) - cache.keys()):
+        cache[prompt] = encode([prompt])[0]
+    return PromptEmbeds.cat([cache[p] for p in prompts])
 
 
 @dataclass
@@ -338,16 +352,13 @@ class ShapesBackend(GuidedVelocity):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """prompts -> PromptEmbeds (B, L, D) / (B, P), fp32, no grad; "" is the unconditional one.
 
-        Each distinct string is encoded once and cached (the text encoder is frozen after
-        pretraining; ``clear_cache`` if its weights change).
+        Each distinct string is encoded once, on its own (`encode_cached`), and cached (the text
+        encoder is frozen after pretraining; ``clear_cache`` if its weights change).
         """
-        missing = sorted({p for p in prompts if p not in self._embed_cache})
-        if missing:
-            with torch.no_grad():
-                embeds = self.embed_tokens(self.tokenize(missing))
-            for i, prompt in enumerate(missing):
-                self._embed_cache[prompt] = embeds[i]
-        return PromptEmbeds.cat([self._embed_cache[p] for p in prompts])
+        with torch.no_grad():
+            return encode_cached(
+                self._embed_cache, prompts, lambda p: self.embed_tokens(self.tokenize(p))
+            )
 
     def clear_cache(self) -> None:
         self._embed_cache.clear()

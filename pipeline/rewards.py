@@ -76,6 +76,17 @@ def geneval_strict(cfg: Config) -> RewardFn:
     return strict_geneval_reward(_shapes_detections)
 
 
+@register("brightness")
+def brightness(cfg: Config) -> RewardFn:
+    """Mean pixel intensity in [0, 1]: a control reward, dense and prompt-free (DDPO's
+    compressibility plays the same part), that any working update should raise. Not quality."""
+
+    def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
+        return images.float().mean(dim=(1, 2, 3))
+
+    return reward
+
+
 @register("shapes_clip")
 def shapesclip(cfg: Config) -> RewardFn:
     """ShapesCLIP's scaled text-image cosine similarity (a PickScore/CLIPScore stand-in)."""

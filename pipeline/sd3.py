@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pipeline.config import Config, ConfigError
-from pipeline.models import LORA_TARGET_MODULES, GuidedVelocity, PromptEmbeds
+from pipeline.models import LORA_TARGET_MODULES, GuidedVelocity, PromptEmbeds, encode_cached
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,6 @@ COMPONENTS = {
 }
 _MODELS = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "spiece.model")  # any one of them suffices
-ENCODE_BATCH = 32  # prompts per text-encoder call
 DECODE_BATCH = 8  # latents per VAE decode call (the decoder's activations dominate memory)
 
 
@@ -212,16 +211,11 @@ class SD3Backend(GuidedVelocity):
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
         """prompts -> PromptEmbeds hidden (B, 77 + L_T5, D_T5) / pooled (B, P), fp32, no grad.
 
-        Each distinct string is encoded once and cached on ``device`` ("" is the unconditional
-        prompt); the text encoders are frozen, so the cache never goes stale.
+        Each distinct string is encoded once, on its own (`encode_cached`), and cached on
+        ``device`` ("" is the unconditional prompt); the text encoders are frozen, so the cache
+        never goes stale.
         """
-        missing = sorted({p for p in prompts if p not in self._embed_cache})
-        for start in range(0, len(missing), ENCODE_BATCH):
-            chunk = missing[start : start + ENCODE_BATCH]
-            embeds = self._encode(chunk)
-            for i, prompt in enumerate(chunk):
-                self._embed_cache[prompt] = embeds[i]
-        return PromptEmbeds.cat([self._embed_cache[p] for p in prompts])
+        return encode_cached(self._embed_cache, prompts, self._encode)
 
     def clear_cache(self) -> None:
         self._embed_cache.clear()

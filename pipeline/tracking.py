@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.io import file_lock
+from pipeline.leftovers import mark_killed_runs, run_owner_tags
 
 if TYPE_CHECKING:
     import mlflow
@@ -122,13 +123,20 @@ def _params(flat: Mapping[str, Any]) -> list[mlflow.entities.Param]:
 
 @contextmanager
 def stage_run(cfg: Config, stage: str, name: str | None = None) -> Iterator[mlflow.ActiveRun]:
-    """A child run of this pipeline run's parent, with the flattened params logged at start."""
+    """A child run of this pipeline run's parent, with the flattened params logged at start.
+
+    Runs left RUNNING by a killed command are marked KILLED first (`pipeline.leftovers`); a
+    resumed training run opens a new child with the same name, so a run's rounds are the union
+    of its children's steps.
+    """
     import mlflow
+    from mlflow.tracking import MlflowClient
 
     # one process at a time: the first use creates the database schema, and two stages of one
     # pipeline run must find (not both create) its parent run
     with file_lock(Path(cfg.root) / f"{DATABASE}.lock"):
         experiment_id = _experiment_id(cfg.root)
+        mark_killed_runs(MlflowClient(), experiment_id)
         parent = _parent_run_id(cfg, experiment_id)
     run_name = name or stage
     with mlflow.start_run(
@@ -138,6 +146,7 @@ def stage_run(cfg: Config, stage: str, name: str | None = None) -> Iterator[mlfl
             "mlflow.parentRunId": parent,
             PIPELINE_TAG: pipeline_key(cfg),
             STAGE_TAG: stage,
+            **run_owner_tags(),
         },
     ) as run:
         mlflow.log_params({key: str(value)[:500] for key, value in cfg.flat().items()})

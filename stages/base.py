@@ -51,9 +51,8 @@ def base(cfg: Config) -> dict[str, float]:
         pool=world_lines(cfg),  # captions of the configured world (hard negatives may leave it)
     )
     losses = history["flow_loss"]
-    tail = losses[-max(1, len(losses) // 10) :]
     metrics = {
-        "flow_loss_final": sum(tail) / len(tail),
+        "flow_loss_final": tail_mean(losses),
         "pretrain_seconds": sum(history["seconds"].values()),
         "parameters": sum(history["num_parameters"].values()),
         "shapesclip_hard_negative_accuracy": clip.get("hard_negative_accuracy", float("nan")),
@@ -77,6 +76,12 @@ def world_lines(cfg: Config) -> list[dict]:
 def pretrain_pool(cfg: Config) -> list[dict]:
     """The scenes the base model pretrains on (`base.pool`, module docstring)."""
     return world_lines(cfg) if cfg.base.pool == "world" else layout.load_prompts(cfg, "train")
+
+
+def tail_mean(losses: list[float]) -> float:
+    """Mean of the last tenth of a loss curve (NaN for an empty one)."""
+    tail = losses[-max(1, len(losses) // 10) :]
+    return sum(tail) / len(tail) if tail else float("nan")
 
 
 def loss_curve(losses: list[float], path, restart: int | None = None) -> None:

@@ -15,9 +15,9 @@ from prefect.cache_policies import NO_CACHE
 
 from pipeline import layout
 from pipeline.config import Config
-from pipeline.io import write_json
+from pipeline.io import atomic_path, write_json
 from pipeline.tracking import log_artifact, log_metrics
-from stages.base import loss_curve, pretrain_pool
+from stages.base import loss_curve, pretrain_pool, tail_mean
 
 
 @task(name="refine", cache_policy=NO_CACHE)
@@ -26,7 +26,6 @@ def refine(cfg: Config) -> dict[str, float]:
     if cfg.model.backend == "sd3":
         write_json(report / "refine_metrics.json", {"backend": "sd3"})
         return {}
-    from pipeline.io import atomic_path
     from pipeline.pretrain import pretrain_base
 
     first_cycle = cfg.path(layout.PRETRAINED)
@@ -41,10 +40,8 @@ def refine(cfg: Config) -> dict[str, float]:
             **cfg.base.pretrain_kwargs(),
         )
     losses = history["flow_loss"]
-    refined = losses[cfg.base.steps :]
-    tail = refined[-max(1, len(refined) // 10) :] or [float("nan")]
     metrics = {
-        "refine_loss_final": sum(tail) / len(tail),
+        "refine_loss_final": tail_mean(losses[cfg.base.steps :]),
         "refine_seconds": history["seconds"].get("refine", 0.0),
         "pretrain_seconds": sum(history["seconds"].values()),
     }

@@ -93,12 +93,12 @@ def test_encode_prompts_caches_and_keeps_order():
     backend.text_encoder.register_forward_hook(lambda *args: calls.append(1))
     first = backend.encode_prompts(PROMPTS)
     again = backend.encode_prompts([PROMPTS[2], PROMPTS[0], PROMPTS[2]])
-    assert len(calls) == 1
+    assert len(calls) == 3  # one encode per distinct prompt, none for the cached ones
     torch.testing.assert_close(again.hidden, first.hidden[[2, 0, 2]], rtol=0, atol=0)
     assert first.hidden.dtype == first.pooled.dtype == torch.float32
     assert first.hidden.shape == (3, 12, 16) and first.pooled.shape == (3, 16)
     backend.encode_prompts([""])
-    assert len(calls) == 2
+    assert len(calls) == 4
 
 
 def test_prompt_embeds_rows():
@@ -275,3 +275,16 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
         )
     with pytest.raises(ValueError, match="refine cycle"):
         pretrain_base(tmp_path / "z", resume_from=tmp_path / "scratch", **kwargs, **refine)
+
+
+def test_a_prompts_embedding_does_not_depend_on_what_it_was_encoded_with():
+    """Resume exactness: a run resumed at round r has other prompts in the embedding cache than
+    the uninterrupted run had, so each prompt's embedding must be the same bits in any batch."""
+    alone, crowded = tiny_backend(), tiny_backend()
+    perturb_(alone.text_encoder), perturb_(crowded.text_encoder)
+    others = [f"{prompt} {word}" for prompt in PROMPTS for word in ("red", "three", "left", "of")]
+    target = PROMPTS[1]
+    first = alone.encode_prompts([target])
+    second = crowded.encode_prompts([*others, target, *others[::-1]])[len(others)]
+    assert torch.equal(first.hidden[0], second.hidden[0])
+    assert torch.equal(first.pooled[0], second.pooled[0])
