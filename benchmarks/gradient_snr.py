@@ -30,16 +30,15 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = {  # name -> (method, reward, overrides)
-    "flow_grpo": ("flow_grpo", "geneval", []),
-    "stepwise": ("stepwise", "geneval", []),
-    "tp_grpo": ("tp_grpo", "geneval", []),
+ROWS = {  # name -> (method, overrides); the reward is params.yaml's unless overridden
+    "flow_grpo": ("flow_grpo", []),
+    "stepwise": ("stepwise", []),
+    "tp_grpo": ("tp_grpo", []),
     "flow_grpo, shared x_T, window 0-3": (
         "flow_grpo",
-        "geneval",
         ["rollout.shared_noise=true", "rollout.window_end=3"],
     ),
-    "flow_grpo, brightness reward": ("flow_grpo", "brightness", ["score.rewards={brightness: 1}"]),
+    "flow_grpo, brightness reward": ("flow_grpo", ["score.rewards={brightness: 1}"]),
 }
 
 
@@ -90,12 +89,14 @@ def measure(name: str, args) -> dict:
         CountingVelocity,
         Schedule,
         assign_credit,
+        estimators_for,
+        reward_matrix,
         rollout_round,
         score_round,
         update_settings,
     )
 
-    method, reward, overrides = ROWS[name]
+    method, overrides = ROWS[name]
     cfg = load_config(args.params, [f"train.method={method}", *overrides])
     policy = Policy.create(cfg)
     backend = policy.backend
@@ -111,14 +112,14 @@ def measure(name: str, args) -> dict:
         round_index=0, run_id="snr", model_version="base", counter=counter,
     )  # fmt: skip
     metadata = [prompts[i] for i in indices for _ in range(cfg.rollout.group_size)]
-    estimators = {"flow_grpo": [], "stepwise": [cfg.score.estimator], "tp_grpo": ["ode_completion"]}
     table = score_round(
-        backend, rollout, metadata, rewards, cfg, estimators=estimators[method],
+        backend, rollout, metadata, rewards, cfg, estimators=estimators_for(method, cfg),
         schedule=schedule, counter=counter,
     ).table  # fmt: skip
     credit = assign_credit(method, table, rollout.group_ids, schedule, cfg)
-    final = table[(table.estimator == "final") & (table.reward == "mix")].sort_values("trajectory")
-    group_std = final.assign(g=rollout.group_ids.numpy()).groupby("g").value.std(ddof=0)
+    last_state = torch.tensor([schedule.sigmas.numel() - 1])
+    final = reward_matrix(table, "final", "mix", rollout.num_trajectories, last_state)[:, 0]
+    group_std = final.view(-1, cfg.rollout.group_size).std(dim=1, correction=0)  # group-major rows
     batch = UpdateBatch(
         states=rollout.states, log_probs=rollout.log_probs, sigmas=rollout.sigmas,
         steps=schedule.steps, advantages=credit.advantages,
@@ -133,12 +134,12 @@ def measure(name: str, args) -> dict:
     return {
         "row": name,
         "method": method,
-        "reward": reward,
+        "reward": ",".join(cfg.score.rewards),
         "overrides": overrides,
         "trajectories": rollout.num_trajectories,
         "trajectories_per_part": trajectories_per_part,
-        "reward_mean": float(final.value.mean()),
-        "groups_without_variance": float((group_std < 1e-6).mean()),
+        "reward_mean": float(final.mean()),
+        "groups_without_variance": float((group_std < 1e-6).float().mean()),
         "cosine": overall,
         "cosine_spread": float(cosines.std()),  # over the part pairs
         "cosine_per_step": per_step,

@@ -36,6 +36,12 @@ class RoundError(CreditflowError):
 METHOD_ESTIMATORS = {"flow_grpo": (), "stepwise": ("stepwise",), "tp_grpo": ("ode_completion",)}
 
 
+def estimators_for(method: str, cfg: Config) -> tuple[str, ...]:
+    """The estimators `score_round` must compute for `method` (stepwise's is `score.estimator`)."""
+    needed = METHOD_ESTIMATORS[method]
+    return tuple(cfg.score.estimator if name == "stepwise" else name for name in needed)
+
+
 def derived_seed(*parts: object) -> int:
     """A stable 63-bit seed from any parts (run seed, round, phase): resumable by design."""
     digest = hashlib.sha256(repr(parts).encode()).digest()

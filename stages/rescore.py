@@ -33,7 +33,7 @@ from pipeline.trajectories import (
     read_scores,
     write_scores,
 )
-from stages.score import estimators_for, trajectory_metadata
+from stages.score import trajectory_metadata
 
 
 def reward_mix(text: str) -> dict[str, float]:
@@ -97,7 +97,7 @@ def _rescore_rounds(
         schedule = rounds.Schedule.from_config(cfg, kind=rollout.sampler)
         new = rounds.score_round(
             backend, rollout, trajectory_metadata(cfg, rollout.prompts), mix, cfg,
-            estimators=estimators_for(rollout.method, cfg), schedule=schedule,
+            estimators=rounds.estimators_for(rollout.method, cfg), schedule=schedule,
             counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
         ).table  # fmt: skip
         rounds.check_finite(new)

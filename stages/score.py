@@ -28,11 +28,6 @@ def trajectory_metadata(cfg: Config, prompts: list[str]) -> list[dict]:
     return [by_text[p] for p in prompts]
 
 
-def estimators_for(method: str, cfg: Config) -> tuple[str, ...]:
-    needed = rounds.METHOD_ESTIMATORS[method]
-    return tuple(cfg.score.estimator if name == "stepwise" else name for name in needed)
-
-
 @task(name="score", cache_policy=NO_CACHE)
 def score(
     cfg: Config, run: Path | None = None, round_index: int = 0, policy: Policy | None = None
@@ -50,7 +45,7 @@ def score(
         metadata,
         RewardMix(cfg, cfg.score.rewards),
         cfg,
-        estimators=estimators_for(rollout.method, cfg),
+        estimators=rounds.estimators_for(rollout.method, cfg),
         schedule=schedule,
         counter=counter,
     )
