@@ -67,16 +67,16 @@ def score_round(cfg, run: Path, r: int, names: list[str]) -> dict[str, dict]:
     """{variant: {"rewards": (N, K), "nfe": int, "seconds": float}} for round r of `run`, plus
     "final" (N,) and the rollout's group ids."""
     from pipeline import rounds
+    from pipeline.layout import trajectory_metadata
     from pipeline.policy import restore
     from pipeline.rewards import RewardMix
     from pipeline.trajectories import read_rollout
-    from stages.score import trajectory_metadata
 
     rollout = read_rollout(run / "rollouts", r)
     backend = restore(cfg, run, before_round=r).backend
     metadata = trajectory_metadata(cfg, rollout.prompts)
     mix = RewardMix(cfg, cfg.score.rewards)
-    states = rounds.Schedule.from_config(cfg, kind=rollout.sampler).boundary_states[:-1].tolist()
+    states = rounds.Schedule.of_rollout(rollout, cfg).boundary_states[:-1].tolist()
     embeds = backend.encode_prompts(rollout.prompts)
     out = {"final": mix(rollout.images, metadata)["mix"].double(), "groups": rollout.group_ids}
     for name in names:

@@ -16,9 +16,9 @@ import time
 from pipeline import layout, rounds
 from pipeline.config import load_config
 from pipeline.io import write_json, write_text
+from pipeline.layout import trajectory_metadata
 from pipeline.policy import load_backend
 from pipeline.rewards import RewardMix
-from stages.score import trajectory_metadata
 
 ESTIMATORS = [("tweedie", 1), ("ode_substeps", 2), ("ode_substeps", 5), ("ode_completion", 0)]
 

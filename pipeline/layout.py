@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, CreditflowError
 
 PROMPTS = Path("data/prompts")
 BASE = Path("data/base")
@@ -36,3 +36,12 @@ def load_prompts(cfg: Config, split: str) -> list[dict]:
     from pipeline import world
 
     return world.read_prompts(prompts_file(cfg, split))
+
+
+def trajectory_metadata(cfg: Config, prompts: list[str]) -> list[dict]:
+    """GenEval lines of the rollout's prompts, looked up by prompt text in the train set."""
+    by_text = {row["prompt"]: row for row in load_prompts(cfg, "train")}
+    missing = sorted({p for p in prompts if p not in by_text})
+    if missing:
+        raise CreditflowError(f"score: prompt {missing[0]!r} is not in the train prompt set")
+    return [by_text[p] for p in prompts]

@@ -24,6 +24,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -31,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from pipeline.config import Config, ConfigError, CreditflowError
 from pipeline.grpo import add_lora, load_lora_state, lora_parameters, lora_state_dict
 from pipeline.io import atomic_path, file_lock, write_json
+from pipeline.layout import REPORTS
 
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
 INPUTS_FILE = "inputs.json"
@@ -278,3 +280,81 @@ def prepare_run(cfg: Config, run: Path) -> None:
     elif run.exists():  # no finished round: nothing to keep
         shutil.rmtree(run)
     write_json(record, inputs)
+
+
+def write_run_reports(cfg: Config, run: Path) -> dict[str, float]:
+    """A training run's DVC outputs from its checkpoints and probes:
+    `reports/train/<run>/{rounds,probe,metrics}.json`; returns the summary metrics."""
+    probes = read_probes(run)
+    history = [
+        {"round": r} | load_round_metrics(path) | probes.get(r + 1, {})
+        for r, path in checkpoints(run / "checkpoints").items()
+    ]
+    report = cfg.path(REPORTS / "train" / run.name)
+    write_json(report / "rounds.json", history)
+    write_json(report / "probe.json", probe_curve(history, probes))
+    summary = summarize(history)
+    write_json(report / "metrics.json", summary)
+    return summary
+
+
+def probe_curve(history: list[dict], probes: dict[int, dict]) -> list[dict]:
+    """Uniform rows for `dvc plots`: each probe with the rounds, NFEs and seconds spent to reach
+    it (n = 0 is the base policy)."""
+    nfe = np.cumsum([0.0] + [h["cost/round_nfe"] for h in history]).tolist()
+    seconds = np.cumsum([0.0] + [h["time/round_s"] for h in history]).tolist()
+    return [
+        {"rounds": n, "nfe": nfe[n], "seconds": seconds[n]} | metrics
+        for n, metrics in probes.items()
+        if n < len(nfe)
+    ]
+
+
+def phase_totals(metrics: dict[str, float]) -> dict[str, float]:
+    """A round's wall-clock and NFEs over its three phases."""
+    phases = ("rollout", "score", "update")
+    return {
+        "time/round_s": sum(metrics.get(f"time/{p}_s", 0.0) for p in phases),
+        "cost/round_nfe": sum(metrics.get(f"cost/{p}_nfe", 0.0) for p in phases),
+    }
+
+
+def load_round_metrics(checkpoint: Path) -> dict[str, float]:
+    """A checkpointed round's metrics, with its phase totals."""
+    metrics = json.loads((checkpoint / "metrics.json").read_text())
+    return metrics | phase_totals(metrics)
+
+
+def summarize(history: list[dict[str, float]]) -> dict[str, float]:
+    """DVC metrics of a run: first/last reward, accuracy, total cost."""
+    if not history:
+        return {}
+    first, last = history[0], history[-1]
+    return {
+        "rounds": len(history),
+        "reward_first": first["reward/mean"],
+        "reward_last": last["reward/mean"],
+        "accuracy_last": last["train/accuracy"],
+        "seconds_total": sum(h["time/round_s"] for h in history),
+        "nfe_total": sum(h["cost/round_nfe"] for h in history),
+    }
+
+
+PROBE_DIR = "probe"
+
+
+def probe_due(cfg: Config, rounds_done: int) -> bool:
+    """Whether the policy after `rounds_done` rounds is probed on the way (the train flow also
+    probes the final policy, wherever the run stops)."""
+    every = cfg.train.eval_every
+    return every > 0 and rounds_done % every == 0
+
+
+def probe_file(run: Path, rounds_done: int) -> Path:
+    return Path(run) / PROBE_DIR / f"rounds={rounds_done:04d}.json"
+
+
+def read_probes(run: Path) -> dict[int, dict[str, float]]:
+    """{rounds trained: probe metrics} of a run, in round order."""
+    files = sorted((Path(run) / PROBE_DIR).glob("rounds=*.json"))
+    return {int(f.stem.split("=")[1]): json.loads(f.read_text()) for f in files}

@@ -79,6 +79,36 @@ class Schedule:
         eta = cfg.rollout.eta.get(kind, 0.0)
         return cls(kind, eta, cfg.sampling.guidance, sigmas, window, steps)
 
+    @classmethod
+    def of_rollout(cls, rollout: RoundRollout, cfg: Config) -> Schedule:
+        """The plan a cached round was sampled with (its sampler, eta, sigmas and window, read
+        from the cache); params that would sample it otherwise are an error, not a silent
+        re-interpretation of the round."""
+        planned = cls.from_config(cfg, kind=rollout.sampler)
+        cached = cls(
+            rollout.sampler,
+            rollout.eta,
+            cfg.sampling.guidance,
+            rollout.sigmas.to(planned.sigmas.dtype),
+            rollout.window.bool(),
+            rollout.window.nonzero().flatten(),
+        )
+        differs = [
+            name
+            for name, same in (
+                ("eta", math.isclose(planned.eta, cached.eta, rel_tol=1e-6)),
+                ("sigmas (sampling.num_steps/shift)", torch.equal(planned.sigmas, cached.sigmas)),
+                ("SDE window (rollout.window_*)", torch.equal(planned.window, cached.window)),
+            )
+            if not same
+        ]
+        if differs:
+            raise CreditflowError(
+                f"round {rollout.round} was sampled with another {', '.join(differs)} than the "
+                "params give: use the params it was sampled with, or roll the round out again"
+            )
+        return cached
+
     @property
     def boundary_states(self) -> Tensor:
         """(K+1,) state indices b_0..b_K (the window is contiguous by construction)."""

@@ -37,6 +37,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ import pyarrow.parquet as pq
 import torch
 
 from pipeline.config import CreditflowError
+from pipeline.io import atomic_path
 
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = b"creditflow.schema_version"
@@ -223,17 +225,11 @@ def sha256_file(path: Path) -> str:
 
 
 def _atomic_write(path: Path, write) -> None:
-    """Call ``write(file)`` on a hidden temp file next to ``path``, fsync, rename into place."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Call ``write(file)`` on a temporary sibling of ``path``, fsync, rename into place."""
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _invalidate(directory: Path, overwrite: bool) -> None:
@@ -642,3 +638,22 @@ def read_estimate_images(root: Path, round: int) -> tuple[pd.DataFrame, torch.Te
     table = _read_table(root, ESTIMATE_IMAGES, round)
     keys = table.drop_columns(["image"]).to_pandas()
     return keys, tensor_column(table, "image")
+
+
+def advantages_file(run: Path, round_index: int) -> Path:
+    return Path(run) / "advantages" / f"round={round_index}.parquet"
+
+
+def read_advantages(run: Path, round_index: int) -> torch.Tensor:
+    """(N, K) advantages of a round, as the update consumes them."""
+    table = pd.read_parquet(advantages_file(run, round_index))
+    wide = table.pivot(index="trajectory", columns="k", values="advantage")
+    return torch.from_numpy(wide.to_numpy(dtype=np.float32, copy=True))
+
+
+def prune_rollouts(run: Path, keep: int) -> None:
+    """Drop the cached states of all but the newest `keep` rounds (0 keeps all)."""
+    if keep == 0:
+        return
+    for r in list_rounds(run / "rollouts", STEPS)[:-keep]:
+        shutil.rmtree(round_dir(run / "rollouts", STEPS, r))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import torch
 from prefect import task
@@ -17,11 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import layout, rounds
 from pipeline.config import Config
 from pipeline.io import atomic_path
-from pipeline.trajectories import read_rollout, read_scores
-
-
-def advantages_file(run: Path, round_index: int) -> Path:
-    return Path(run) / "advantages" / f"round={round_index}.parquet"
+from pipeline.trajectories import advantages_file, read_rollout, read_scores
 
 
 def credit_table(
@@ -42,18 +37,11 @@ def credit_table(
     )
 
 
-def read_advantages(run: Path, round_index: int) -> torch.Tensor:
-    """(N, K) advantages of a round, as the update consumes them."""
-    table = pd.read_parquet(advantages_file(run, round_index))
-    wide = table.pivot(index="trajectory", columns="k", values="advantage")
-    return torch.from_numpy(wide.to_numpy(dtype=np.float32, copy=True))
-
-
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: Config, run: Path | None = None, round_index: int = 0) -> dict[str, float]:
     run = Path(run) if run else layout.train_run(cfg)
     rollout = read_rollout(run / "rollouts", round_index)
-    schedule = rounds.Schedule.from_config(cfg, kind=rollout.sampler)
+    schedule = rounds.Schedule.of_rollout(rollout, cfg)
     try:
         credit = rounds.assign_credit(
             rollout.method, read_scores(run / "rollouts", round_index), rollout.group_ids,

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import layout
 from pipeline.config import Config
 from pipeline.io import atomic_path, write_json
+from pipeline.pretrain import loss_curve, pretrain_base, pretrain_pool, tail_mean, world_lines
 from pipeline.rewards import SHAPESCLIP_DIR
 from pipeline.tracking import log_artifact, log_metrics
 
@@ -32,7 +33,6 @@ def base(cfg: Config) -> dict[str, float]:
         check_directory(cfg.path(cfg.model.path))
         write_json(report / "metrics.json", {"backend": "sd3"})
         return {}
-    from pipeline.pretrain import pretrain_base
     from pipeline.shapesclip import train_shapesclip
 
     world = cfg.world
@@ -63,45 +63,3 @@ def base(cfg: Config) -> dict[str, float]:
     log_metrics({f"base/{k}": v for k, v in metrics.items()})
     log_artifact(report / "loss.png")
     return metrics
-
-
-def world_lines(cfg: Config) -> list[dict]:
-    """Every scene of the configured world, as metadata lines."""
-    from pipeline.world import whole_world
-
-    world = cfg.world
-    return whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
-
-
-def pretrain_pool(cfg: Config) -> list[dict]:
-    """The scenes the base model pretrains on (`base.pool`, module docstring)."""
-    return world_lines(cfg) if cfg.base.pool == "world" else layout.load_prompts(cfg, "train")
-
-
-def tail_mean(losses: list[float]) -> float:
-    """Mean of the last tenth of a loss curve (NaN for an empty one)."""
-    tail = losses[-max(1, len(losses) // 10) :]
-    return sum(tail) / len(tail) if tail else float("nan")
-
-
-def loss_curve(losses: list[float], path, restart: int | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    steps = np.arange(1, len(losses) + 1)
-    ax.plot(steps, losses, lw=0.5, alpha=0.4, label="per step")
-    window = max(1, len(losses) // 50)
-    smooth = np.convolve(losses, np.ones(window) / window, mode="valid")
-    ax.plot(steps[window - 1 :], smooth, lw=1.5, label=f"mean of {window}")
-    if restart is not None:
-        ax.axvline(restart, color="k", lw=0.8, ls="--", label="refine restart")
-    ax.set(xlabel="step", ylabel="flow-matching loss", yscale="log", title="Base model pretraining")
-    ax.legend()
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=120, format="png")
-    plt.close(fig)

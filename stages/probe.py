@@ -10,7 +10,6 @@ does not change what the run trains (tested).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import task
@@ -20,26 +19,8 @@ from pipeline import layout
 from pipeline.config import Config
 from pipeline.evaluation import geneval_protocol
 from pipeline.io import write_json
+from pipeline.policy import probe_file
 from pipeline.tracking import log_metrics
-
-PROBE_DIR = "probe"
-
-
-def probe_due(cfg: Config, rounds_done: int) -> bool:
-    """Whether the policy after `rounds_done` rounds is probed on the way (the train flow also
-    probes the final policy, wherever the run stops)."""
-    every = cfg.train.eval_every
-    return every > 0 and rounds_done % every == 0
-
-
-def probe_file(run: Path, rounds_done: int) -> Path:
-    return Path(run) / PROBE_DIR / f"rounds={rounds_done:04d}.json"
-
-
-def read_probes(run: Path) -> dict[int, dict[str, float]]:
-    """{rounds trained: probe metrics} of a run, in round order."""
-    files = sorted((Path(run) / PROBE_DIR).glob("rounds=*.json"))
-    return {int(f.stem.split("=")[1]): json.loads(f.read_text()) for f in files}
 
 
 @task(name="probe", cache_policy=NO_CACHE)

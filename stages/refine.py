@@ -16,8 +16,8 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import layout
 from pipeline.config import Config
 from pipeline.io import atomic_path, write_json
+from pipeline.pretrain import loss_curve, pretrain_base, pretrain_pool, tail_mean
 from pipeline.tracking import log_artifact, log_metrics
-from stages.base import loss_curve, pretrain_pool, tail_mean
 
 
 @task(name="refine", cache_policy=NO_CACHE)
@@ -26,8 +26,6 @@ def refine(cfg: Config) -> dict[str, float]:
     if cfg.model.backend == "sd3":
         write_json(report / "refine_metrics.json", {"backend": "sd3"})
         return {}
-    from pipeline.pretrain import pretrain_base
-
     first_cycle = cfg.path(layout.PRETRAINED)
     if not first_cycle.is_dir():
         raise FileNotFoundError(f"{first_cycle} is missing (run `creditflow base` first)")

@@ -43,7 +43,9 @@ def report(cfg: Config) -> dict[str, float]:
     runs = read_training_runs(cfg.path(layout.REPORTS), cfg.train.methods, cfg.train.seeds)
     missing += [f"training run `{name}` (no rounds.json)" for name in absent_runs(cfg, runs)]
     evals, samples = read_evals(cfg, missing)
-    profiles = {m: rep.credit_profile(frame) for m, frame in read_advantages(cfg, missing).items()}
+    profiles = {
+        m: rep.credit_profile(frame) for m, frame in read_method_advantages(cfg, missing).items()
+    }
     bench = benchmark(runs)
     geneval = rep.geneval_table(evals)
 
@@ -195,7 +197,7 @@ def read_evals(cfg: Config, missing: list[str]) -> tuple[dict[str, list[dict]], 
     return evals, samples
 
 
-def read_advantages(cfg: Config, missing: list[str]) -> dict[str, pd.DataFrame]:
+def read_method_advantages(cfg: Config, missing: list[str]) -> dict[str, pd.DataFrame]:
     """Every cached round's advantages, all seeds concatenated, per method."""
     found: dict[str, pd.DataFrame] = {}
     for method in cfg.train.methods:

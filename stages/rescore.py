@@ -33,7 +33,6 @@ from pipeline.trajectories import (
     read_scores,
     write_scores,
 )
-from stages.score import trajectory_metadata
 
 
 def reward_mix(text: str) -> dict[str, float]:
@@ -94,9 +93,9 @@ def _rescore_rounds(
         backend = (
             restore(cfg, run, before_round=r).backend if has_checkpoints else load_backend(cfg)
         )
-        schedule = rounds.Schedule.from_config(cfg, kind=rollout.sampler)
+        schedule = rounds.Schedule.of_rollout(rollout, cfg)
         new = rounds.score_round(
-            backend, rollout, trajectory_metadata(cfg, rollout.prompts), mix, cfg,
+            backend, rollout, layout.trajectory_metadata(cfg, rollout.prompts), mix, cfg,
             estimators=rounds.estimators_for(rollout.method, cfg), schedule=schedule,
             counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
         ).table  # fmt: skip

@@ -13,19 +13,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from pipeline import layout, rounds
-from pipeline.config import Config, CreditflowError
+from pipeline.config import Config
 from pipeline.policy import Policy, restore
 from pipeline.rewards import REWARDS, RewardMix
 from pipeline.trajectories import read_rollout, write_estimate_images, write_scores
-
-
-def trajectory_metadata(cfg: Config, prompts: list[str]) -> list[dict]:
-    """GenEval lines of the rollout's prompts, looked up by prompt text in the train set."""
-    by_text = {row["prompt"]: row for row in layout.load_prompts(cfg, "train")}
-    missing = sorted({p for p in prompts if p not in by_text})
-    if missing:
-        raise CreditflowError(f"score: prompt {missing[0]!r} is not in the train prompt set")
-    return [by_text[p] for p in prompts]
 
 
 @task(name="score", cache_policy=NO_CACHE)
@@ -35,9 +26,9 @@ def score(
     run = Path(run) if run else layout.train_run(cfg)
     rollout = read_rollout(run / "rollouts", round_index)
     policy = policy or restore(cfg, run, before_round=round_index)
-    metadata = trajectory_metadata(cfg, rollout.prompts)
+    metadata = layout.trajectory_metadata(cfg, rollout.prompts)
     counter = rounds.CountingVelocity(policy.backend, cfg.sampling.guidance)
-    schedule = rounds.Schedule.from_config(cfg, kind=rollout.sampler)
+    schedule = rounds.Schedule.of_rollout(rollout, cfg)
     start = time.perf_counter()
     result = rounds.score_round(
         policy.backend,

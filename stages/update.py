@@ -15,8 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import layout, rounds
 from pipeline.config import Config
 from pipeline.policy import Policy, restore
-from pipeline.trajectories import read_rollout
-from stages.advantages import read_advantages
+from pipeline.trajectories import read_advantages, read_rollout
 
 
 @task(name="update", cache_policy=NO_CACHE)
@@ -36,7 +35,7 @@ def update(
         policy.optimizer,
         rollout,
         read_advantages(run, round_index),
-        rounds.Schedule.from_config(cfg, kind=rollout.sampler),
+        rounds.Schedule.of_rollout(rollout, cfg),
         cfg,
         seed=cfg.train.seed,
         round_index=round_index,

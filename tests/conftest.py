@@ -91,7 +91,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def tiny_project(project, tiny_model_dir) -> Path:
     """A project root whose params.yaml holds the tiny settings, with prompts written."""
     from pipeline.config import apply_overrides, load_config
-    from pipeline.flows import run_stage
+    from stages.flows import run_stage
 
     params = project / "params.yaml"
     tree = apply_overrides(

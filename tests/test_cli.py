@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
-from pipeline.flows import STAGES
+from stages import STAGES
+from stages.cli import app
 
 runner = CliRunner()
 

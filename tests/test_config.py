@@ -88,7 +88,7 @@ def test_paths_resolve_against_the_params_file(project):
 def test_cli_typo_exits_2_with_one_line_and_writes_nothing(project):
     before = sorted(p.name for p in project.iterdir())
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "train", "--method", "stepwise_typo",
+        [sys.executable, "-m", "stages.cli", "train", "--method", "stepwise_typo",
          "--params", str(project / "params.yaml")],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -123,7 +123,7 @@ def test_user_errors_are_one_line_under_prefect_and_io_errors_too(project):
     flow) prints no traceback; an OSError (unwritable run directory) is one line; with
     CREDITFLOW_DEBUG=1 the traceback is back."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CREDITFLOW_")}
-    command = [sys.executable, "-m", "pipeline.cli", "rollout", "--params",
+    command = [sys.executable, "-m", "stages.cli", "rollout", "--params",
                str(project / "params.yaml"), "-S", "model.path=missing"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
     assert result.returncode == 2, result.stderr
@@ -137,7 +137,7 @@ def test_user_errors_are_one_line_under_prefect_and_io_errors_too(project):
 
 
 def test_an_os_error_is_one_line_naming_the_file(monkeypatch, capsys):
-    import pipeline.cli as cli
+    import stages.cli as cli
 
     def full_disk():
         raise OSError(28, "No space left on device", "data/train/x/rollouts/part-0.parquet")

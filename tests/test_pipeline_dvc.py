@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -93,12 +95,50 @@ def test_fresh_clone_dag_and_dry_run_list_every_stage(tmp_path):
     assert not (root / "data/prompts").exists()  # a dry run builds nothing
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(command: list[str], ready_url: str, cwd: Path, env: dict[str, str]) -> Iterator[None]:
+    """Run a server for the duration of the block, once `ready_url` answers."""
+    server = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(ready_url, timeout=5):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory):
-    """A git clone of the working tree with smoke params, after one `dvc repro`."""
+    """A git clone of the working tree with smoke params, after one `dvc repro`, with one Prefect
+    server for the module, as a user runs `prefect server start`: every stage is still a Prefect
+    flow, without a temporary server of its own (about 10 s a stage; the temporary server is
+    what the CLI tests in test_config.py and test_tracking.py go through)."""
     root, env = clone(tmp_path_factory.mktemp("pipeline") / "repo")
-    first = run(["dvc", "repro"], root, env)
-    return root, env, first
+    port = free_port()
+    env |= {"PREFECT_HOME": str(root / ".prefect"), "PREFECT_UI_ENABLED": "false"}
+    env |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
+    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+              "--port", str(port)]  # fmt: skip
+    with serving(server, f"http://127.0.0.1:{port}/api/health", root, env):
+        env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
+        first = run(["dvc", "repro"], root, env)
+        yield root, env, first
 
 
 def test_repro_produces_every_report_without_errors(reproduced):
@@ -163,28 +203,15 @@ def test_mlflow_holds_parent_and_child_runs(reproduced):
 
 def test_mlflow_ui_serves_the_runs_over_loopback(reproduced):
     root, env, _ = reproduced
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
+    port = free_port()
+    ui = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", f"sqlite:///{root}/mlflow.db",
+          "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with serving(ui, f"http://127.0.0.1:{port}/health", root, env):
         base = f"http://127.0.0.1:{port}/api/2.0/mlflow"
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                with urllib.request.urlopen(
-                    f"{base}/experiments/get-by-name?experiment_name=creditflow", timeout=5
-                ) as r:
-                    experiment = json.load(r)["experiment"]
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1)
+        with urllib.request.urlopen(
+            f"{base}/experiments/get-by-name?experiment_name=creditflow", timeout=10
+        ) as r:
+            experiment = json.load(r)["experiment"]
         request = urllib.request.Request(
             f"{base}/runs/search",
             data=json.dumps(
@@ -196,9 +223,6 @@ def test_mlflow_ui_serves_the_runs_over_loopback(reproduced):
             runs = json.load(r)["runs"]
         metric_keys = {m["key"] for run_ in runs for m in run_["data"].get("metrics", [])}
         assert "reward/mean" in metric_keys and "geneval/overall" in metric_keys
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
 
 
 def test_dvc_exp_run_reruns_only_what_the_override_touches(reproduced):

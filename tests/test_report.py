@@ -13,7 +13,6 @@ import torch
 from pipeline import layout
 from pipeline import report as rep
 from pipeline.config import load_config
-from pipeline.flows import run_stage
 from pipeline.io import write_json
 from pipeline.report import (
     Spread,
@@ -26,6 +25,7 @@ from pipeline.report import (
 )
 from pipeline.tracking import EXPERIMENT, STAGE_TAG, tracking_uri
 from pipeline.trajectories import write_estimate_images, write_scores
+from stages.flows import run_stage
 from stages.report import report
 from tests.test_bench import CURVES, rounds_rows
 
@@ -249,13 +249,13 @@ def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
     from pipeline.rewards import REWARDS
     from stages.bench import bench
     from stages.evaluate import evaluate
-    from stages.train import train
+    from stages.flows import train
 
     monkeypatch.setitem(REWARDS, "brightness", brightness)
     monkeypatch.setattr("stages.bench.REPEATS", 1)
     overrides = ["score.rewards={brightness: 1.0}", "train.seeds=[0]", "train.rounds=2"]
     for method in ("flow_grpo", "stepwise", "tp_grpo"):
-        train.fn(load_config(tiny_project / "params.yaml", [*overrides, f"train.method={method}"]))
+        train(load_config(tiny_project / "params.yaml", [*overrides, f"train.method={method}"]))
     cfg = load_config(tiny_project / "params.yaml", overrides)
     evaluate.fn(cfg, policy="base")
     for method in ("flow_grpo", "tp_grpo"):

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from pipeline.config import ConfigError, load_config
-from pipeline.flows import run_stage
 from pipeline.layout import train_run
 from pipeline.rewards import REWARDS
 from pipeline.trajectories import read_scores, sha256_tree
+from stages.flows import run_stage
 
 
 def test_rescore_writes_new_scores_and_leaves_rollouts_byte_identical(tiny_project, monkeypatch):

@@ -261,7 +261,7 @@ def test_batch_text_negatives_are_wrong_captions_of_the_same_template():
 
 
 def test_base_stage_trains_both_models_on_the_configured_world(project, monkeypatch):
-    import pipeline.pretrain
+    import stages.base
     from pipeline.config import load_config
     from stages.base import base
 
@@ -276,7 +276,7 @@ def test_base_stage_trains_both_models_on_the_configured_world(project, monkeypa
         seen["clip"] = pool
         return {}
 
-    monkeypatch.setattr(pipeline.pretrain, "pretrain_base", fake_pretrain)
+    monkeypatch.setattr(stages.base, "pretrain_base", fake_pretrain)
     monkeypatch.setattr(sc, "train_shapesclip", fake_clip)
     cfg = load_config(project / "params.yaml", ["world.shapes=[circle, square]"])
     base.fn(cfg)

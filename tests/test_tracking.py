@@ -46,7 +46,7 @@ def test_three_concurrent_first_uses_of_a_fresh_project_all_succeed(project):
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
     env |= {"OMP_NUM_THREADS": "1", "CREDITFLOW_ORCHESTRATION": "prefect"}
-    command = [sys.executable, "-m", "pipeline.cli", "prompts", "--params",
+    command = [sys.executable, "-m", "stages.cli", "prompts", "--params",
                str(project / "params.yaml")]  # fmt: skip
     runs = [
         subprocess.Popen(

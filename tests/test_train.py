@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config import load_config
-from pipeline.flows import run_stage
 from pipeline.layout import train_run
 from pipeline.policy import INPUTS_FILE, REPLACED_DIR, run_inputs
 from pipeline.rewards import REWARDS
 from pipeline.rounds import RoundError, most_nonmonotonic
+from stages.flows import run_stage
 
 
 @pytest.fixture
@@ -130,10 +130,10 @@ def test_a_failing_command_or_a_speed_setting_never_touches_finished_rounds(tiny
     assert not [w for w in recwarn if "other inputs" in str(w.message)]
 
 
-@pytest.mark.parametrize("broken", ["weight", "loss"])
+@pytest.mark.parametrize("broken", ["weight", "loss", "grad_norm"])
 def test_non_finite_update_is_refused_and_never_checkpointed(tiny_project, monkeypatch, broken):
-    """A diverged optimizer step (here: one LoRA weight, or the loss, made non-finite) stops the
-    round with one line naming it; no checkpoint holds NaN weights."""
+    """A diverged optimizer step (here: one LoRA weight, the loss or the gradient norm made
+    non-finite) stops the round with one line naming it; no checkpoint holds NaN weights."""
     import pipeline.rounds as rounds_module
     from pipeline.grpo import lora_parameters
 
@@ -145,12 +145,12 @@ def test_non_finite_update_is_refused_and_never_checkpointed(tiny_project, monke
             with torch.no_grad():
                 lora_parameters(backend.transformer)[0].view(-1)[0] = float("nan")
         else:
-            metrics["train/loss"] = float("inf")
+            metrics[f"train/{broken}"] = float("inf")
         return metrics
 
     monkeypatch.setattr(rounds_module, "grpo_update", diverging)
     cfg = load_config(tiny_project / "params.yaml", ["train.rounds=1"])
-    what = "LoRA weight" if broken == "weight" else "train/loss"
+    what = "LoRA weight" if broken == "weight" else f"train/{broken}"
     with pytest.raises(RoundError, match=rf"update: non-finite {what}.* in round 0 .*nothing"):
         run_stage("train", cfg)
     assert not (train_run(cfg) / "checkpoints").exists()
@@ -186,6 +186,36 @@ def test_run_inputs_follow_the_base_model_files_not_the_round_count(tiny_project
     config.write_text(config.read_text() + " ")
     after = run_inputs(cfg)
     assert {k for k in before if before[k] != after[k]} == {"digest.base_model"}
+
+
+@pytest.mark.parametrize("broken", ["state", "image"])
+def test_a_non_finite_state_or_image_stops_the_rollout_and_caches_nothing(
+    tiny_project, monkeypatch, broken
+):
+    import pipeline.rounds as rounds_module
+    from pipeline.models import ShapesBackend
+
+    real_sample, real_decode = rounds_module.sampling.sample, ShapesBackend.decode
+
+    def sample(*args, **kwargs):
+        result = real_sample(*args, **kwargs)
+        if broken == "state" and result.states is not None:  # the probe keeps no states
+            result.states[0, 1].view(-1)[0] = float("nan")
+        return result
+
+    def decode(self, latents):
+        images = real_decode(self, latents)
+        return (
+            images.index_fill(0, torch.tensor([2]), float("nan")) if broken == "image" else images
+        )
+
+    monkeypatch.setattr(rounds_module.sampling, "sample", sample)
+    monkeypatch.setattr(ShapesBackend, "decode", decode)
+    cfg = load_config(tiny_project / "params.yaml", ["train.rounds=1"])
+    with pytest.raises(RoundError, match=f"rollout: non-finite {broken} in round 0 .*nothing"):
+        run_stage("train", cfg)
+    run = train_run(cfg)
+    assert not (run / "checkpoints").exists() and not list(run.rglob("*.parquet"))
 
 
 def test_nan_reward_stops_the_round_naming_the_trajectory(tiny_project, monkeypatch):
@@ -291,3 +321,25 @@ def test_a_second_train_of_a_locked_run_fails_naming_the_holder_and_touches_noth
     # released on exit: training the run again goes on from its checkpoint
     train(tiny_project, ["train.rounds=2"])
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["round-0000", "round-0001"]
+
+
+def test_later_stages_read_the_schedule_from_the_cache_and_refuse_other_params(tiny_project):
+    import pandas as pd
+
+    from pipeline.config import CreditflowError
+    from pipeline.trajectories import advantages_file
+    from stages.advantages import advantages
+
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    run = train_run(cfg)
+    before = pd.read_parquet(advantages_file(run, 0))
+    advantages.fn(cfg, run, 0)
+    pd.testing.assert_frame_equal(pd.read_parquet(advantages_file(run, 0)), before)
+    for override, what in [
+        ("rollout.window_start=1", "SDE window"),
+        ("sampling.shift=1.0", "sigmas"),
+    ]:
+        other = load_config(tiny_project / "params.yaml", ["train.rounds=1", override])
+        with pytest.raises(CreditflowError, match=f"round 0 was sampled with another {what}"):
+            advantages.fn(other, run, 0)
+    pd.testing.assert_frame_equal(pd.read_parquet(advantages_file(run, 0)), before)

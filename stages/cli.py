@@ -7,6 +7,7 @@ before anything is written.
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Annotated, Any
 import typer
 
 from pipeline.config import Config, CreditflowError, load_config
+from stages import PER_ROUND, STAGES
 
 app = typer.Typer(
     name="creditflow",
@@ -43,28 +45,10 @@ def _config(params: Path, overrides: list[str] | None, *extra: str) -> Config:
 
 
 def _run(name: str, params: Path, overrides: list[str] | None, *extra: str, **kwargs: Any) -> Any:
-    from pipeline.flows import run_stage
+    from stages.flows import run_stage
 
     cfg = _config(params, overrides, *extra)
     return run_stage(name, cfg, **kwargs)
-
-
-@app.command()
-def prompts(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
-    """Write the train/test prompt sets in GenEval metadata format."""
-    _run("prompts", params, set_)
-
-
-@app.command()
-def base(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
-    """Produce the base policy (train ShapesWorld's model and ShapesCLIP, or check SD3 weights)."""
-    _run("base", params, set_)
-
-
-@app.command()
-def refine(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
-    """Second pretraining cycle of ShapesWorld's base model (`base.refine_*`) -> model.path."""
-    _run("refine", params, set_)
 
 
 RunDir = Annotated[
@@ -74,51 +58,6 @@ RunDir = Annotated[
 RoundIndex = Annotated[int, typer.Option("--round", help="round number")]
 
 
-@app.command()
-def rollout(
-    params: ParamsFile = DEFAULT_PARAMS,
-    set_: Overrides = None,
-    run: RunDir = None,
-    round_: RoundIndex = 0,
-) -> None:
-    """Sample G trajectories per prompt with the method's SDE and cache them to Parquet."""
-    _run("rollout", params, set_, run=run, round_index=round_)
-
-
-@app.command()
-def score(
-    params: ParamsFile = DEFAULT_PARAMS,
-    set_: Overrides = None,
-    run: RunDir = None,
-    round_: RoundIndex = 0,
-) -> None:
-    """Score a round's final images and the clean-image estimates its method needs."""
-    _run("score", params, set_, run=run, round_index=round_)
-
-
-@app.command()
-def advantages(
-    params: ParamsFile = DEFAULT_PARAMS,
-    set_: Overrides = None,
-    run: RunDir = None,
-    round_: RoundIndex = 0,
-) -> None:
-    """Turn a round's scores into per-(trajectory, step) advantages with the method's rule."""
-    _run("advantages", params, set_, run=run, round_index=round_)
-
-
-@app.command()
-def update(
-    params: ParamsFile = DEFAULT_PARAMS,
-    set_: Overrides = None,
-    run: RunDir = None,
-    round_: RoundIndex = 0,
-) -> None:
-    """One PPO-clip GRPO update of the LoRA weights from a scored round, then a checkpoint."""
-    _run("update", params, set_, run=run, round_index=round_)
-
-
-@app.command()
 def train(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
@@ -126,8 +65,8 @@ def train(
     seed: Annotated[int | None, typer.Option(help="shortcut for -S train.seed=...")] = None,
 ) -> None:
     """Train with GRPO: rounds of rollout -> score -> advantages -> update (resumable)."""
-    from pipeline.flows import run_stage
     from pipeline.layout import run_name
+    from stages.flows import run_stage
 
     extra = [f"train.method={method}"] if method is not None else []
     extra += [f"train.seed={seed}"] if seed is not None else []
@@ -135,7 +74,6 @@ def train(
     run_stage("train", cfg, run_name=f"train/{run_name(cfg.train.method, cfg.train.seed)}")
 
 
-@app.command()
 def evaluate(
     params: ParamsFile = DEFAULT_PARAMS,
     set_: Overrides = None,
@@ -144,18 +82,11 @@ def evaluate(
     ] = "base",
 ) -> None:
     """GenEval protocol on the test prompts for the base model or a trained policy."""
-    from pipeline.flows import run_stage
+    from stages.flows import run_stage
 
     run_stage("evaluate", _config(params, set_), run_name=f"evaluate/{policy}", policy=policy)
 
 
-@app.command()
-def report(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
-    """Plots and a markdown summary comparing the methods."""
-    _run("report", params, set_)
-
-
-@app.command()
 def rescore(
     rollouts: Annotated[Path, typer.Option(help="existing rollout dataset (left untouched)")],
     rewards: Annotated[str, typer.Option(help="reward mix, NAME[=WEIGHT],...")],
@@ -167,10 +98,41 @@ def rescore(
     _run("rescore", params, set_, rollouts=rollouts, rewards=rewards, out=out)
 
 
-@app.command()
-def bench(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
-    """Side-by-side sample-efficiency and cost benchmark of the three methods."""
-    _run("bench", params, set_)
+def stage_help(name: str) -> str:
+    """The first sentence of `stages/<name>.py`'s docstring, read without importing it (the
+    stage modules import torch and Prefect; `--help` and a typo should answer at once)."""
+    doc = ast.get_docstring(ast.parse((Path(__file__).parent / f"{name}.py").read_text())) or ""
+    first = " ".join(doc.split("\n\n")[0].split()).split(": ", 1)[-1]
+    sentence = first.split(". ")[0].rstrip(".")
+    return sentence[:1].upper() + sentence[1:] + "."
+
+
+def plain_command(name: str):
+    def command(params: ParamsFile = DEFAULT_PARAMS, set_: Overrides = None) -> None:
+        _run(name, params, set_)
+
+    return command
+
+
+def round_command(name: str):
+    def command(
+        params: ParamsFile = DEFAULT_PARAMS,
+        set_: Overrides = None,
+        run: RunDir = None,
+        round_: RoundIndex = 0,
+    ) -> None:
+        _run(name, params, set_, run=run, round_index=round_)
+
+    return command
+
+
+# Commands with options of their own are written out above; every other stage gets the plain
+# (params, -S) or per-round (params, -S, --run, --round) command, in the pipeline's order.
+SPECIAL = {"train": train, "evaluate": evaluate, "rescore": rescore}
+for _name in STAGES:
+    _make = round_command if _name in PER_ROUND else plain_command
+    _command = SPECIAL.get(_name) or _make(_name)
+    app.command(_name, help=_command.__doc__ or stage_help(_name))(_command)
 
 
 def main() -> None:

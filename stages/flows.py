@@ -1,0 +1,169 @@
+"""Prefect flows: they only order stage tasks; the work lives in the task modules (`stages/`)
+and the library (`pipeline/`), which never imports `stages/`.
+
+Every CLI stage runs as a one-task flow inside an MLflow child run; `train` is the flow below,
+looping rounds of rollout -> score -> advantages -> update (task modules never import each
+other: this flow composes them). `CREDITFLOW_ORCHESTRATION=inline` calls the
+task functions directly, without Prefect's temporary API server (about 10 s per process), which
+is what the unit tests use; the DVC pipeline and the CLI default to Prefect.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any
+
+from pipeline.config import Config, CreditflowError
+from pipeline.leftovers import claim_prefect_server, stop_orphan_prefect_servers
+from stages import STAGES
+
+
+def stage_task(name: str):
+    """The Prefect task named `name` in `stages/<name>.py`, or the flow body of that name here
+    (a plain function calling tasks)."""
+    if name not in STAGES:
+        raise KeyError(f"unknown stage {name!r}")
+    if name in globals():  # a flow of this module (`train`)
+        return globals()[name]
+    return importlib.import_module(f"stages.{name}").__dict__[name]
+
+
+def inline() -> bool:
+    return os.environ.get("CREDITFLOW_ORCHESTRATION", "prefect") == "inline"
+
+
+def call(task, *args: Any, **kwargs: Any) -> Any:
+    """Run a task: through Prefect inside a flow, or as a plain function when inline."""
+    return task.fn(*args, **kwargs) if inline() else task(*args, **kwargs)
+
+
+def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any) -> Any:
+    """Run one stage as a flow, inside an MLflow child run of this pipeline run."""
+    from pipeline.tracking import stage_run
+
+    with stage_run(cfg, name, run_name):
+        work = stage_task(name)
+        if inline():
+            return getattr(work, "fn", work)(cfg, **kwargs)
+        # Prefect reads its settings when first imported: only after configure_environment
+        from prefect import flow
+
+        one_line_user_errors()
+        claim_prefect_server()
+        stop_orphan_prefect_servers()
+        prefect_ready()
+
+        @flow(name=f"creditflow-{name}", flow_run_name=run_name or name, validate_parameters=False)
+        def stage_flow(cfg: Config, kwargs: dict[str, Any]) -> Any:
+            return work(cfg, **kwargs)
+
+        return stage_flow(cfg, kwargs)
+
+
+class _OneLineUserErrors(logging.Filter):
+    """Drops the traceback from Prefect's log of a failed task or flow when the error is one the
+    user can act on (`CreditflowError`): the CLI prints its one line. `CREDITFLOW_DEBUG=1` keeps
+    tracebacks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], CreditflowError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def one_line_user_errors() -> None:
+    """Install `_OneLineUserErrors` on Prefect's run loggers (once per process)."""
+    if os.environ.get("CREDITFLOW_DEBUG"):
+        return
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _OneLineUserErrors) for f in logger.filters):
+            logger.addFilter(_OneLineUserErrors())
+
+
+def prefect_ready() -> None:
+    """Start this process's temporary Prefect server while holding a lock on `PREFECT_HOME`:
+    each temporary server migrates the database and registers Prefect's block types when it
+    starts, and two starting at once on one database collide (three concurrent first uses of a
+    project timed out on a failed UNIQUE constraint). Started here, it is the server the flow
+    then uses (Prefect keeps one per process)."""
+    from pathlib import Path
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from pipeline.io import file_lock
+
+    if os.environ.get("PREFECT_API_URL"):  # a real server: it owns its database
+        return
+    home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
+    with file_lock(home / "server-start.lock"):
+        SubprocessASGIServer().start()
+
+
+def train(cfg: Config) -> dict[str, float]:
+    """The `train` flow (run_stage runs it as one): rounds of rollout -> score -> advantages ->
+    update for one method and seed.
+
+    Resumable: each round ends in a checkpoint, and a rerun (`creditflow train` or `dvc repro`,
+    whose output is `persist: true`) continues after the newest one, unless the run's inputs
+    changed (`pipeline.policy.prepare_run`): then it starts again from round 0. Per-round metrics
+    go to MLflow (stepped by round) and to `reports/train/<method>-s<seed>/rounds.json` for
+    `dvc plots`; the held-out probe (`stages.probe`) runs on the policy after every
+    `train.eval_every` rounds and its curve, against rounds, NFEs and seconds, goes to
+    `reports/train/<method>-s<seed>/probe.json`.
+    """
+    # imported here, not at the top: the other commands import this module and need none of it
+    from pipeline.layout import train_run
+    from pipeline.policy import load_backend, run_lock
+
+    run = train_run(cfg)
+    backend = load_backend(cfg)  # first: a bad model path must fail before the run is touched
+    with run_lock(run):  # a second train of this run must not move or overwrite its rounds
+        return _train(cfg, run, backend)
+
+
+def _train(cfg: Config, run, backend) -> dict[str, float]:
+    from pipeline.policy import (
+        checkpoints,
+        load_round_metrics,
+        phase_totals,
+        prepare_run,
+        probe_due,
+        probe_file,
+        restore,
+        write_run_reports,
+    )
+    from pipeline.tracking import log_metrics
+    from pipeline.trajectories import prune_rollouts
+    from stages.advantages import advantages
+    from stages.probe import probe
+    from stages.rollout import rollout
+    from stages.score import score
+    from stages.update import update
+
+    prepare_run(cfg, run)
+    policy = restore(cfg, run, backend=backend)
+    done = checkpoints(run / "checkpoints")
+    start = max(done, default=-1) + 1
+    spent = sum(load_round_metrics(path)["cost/round_nfe"] for path in done.values())
+    # the base policy, or a resumed checkpoint killed before its probe was written
+    if probe_due(cfg, start) and not probe_file(run, start).is_file():
+        call(probe, cfg, run, start, policy.backend)
+    for r in range(start, cfg.train.rounds):
+        if cfg.train.nfe_budget and spent >= cfg.train.nfe_budget:
+            break
+        metrics = call(rollout, cfg, run, r, policy)
+        metrics |= call(score, cfg, run, r, policy)
+        metrics |= call(advantages, cfg, run, r)
+        metrics |= call(update, cfg, run, r, policy, metrics)
+        log_metrics(metrics | phase_totals(metrics), step=r)
+        spent += phase_totals(metrics)["cost/round_nfe"]
+        prune_rollouts(run, keep=cfg.train.keep_rollouts)
+        if probe_due(cfg, r + 1):
+            call(probe, cfg, run, r + 1, policy.backend)
+    trained = len(checkpoints(run / "checkpoints"))
+    if cfg.train.eval_every and not probe_file(run, trained).is_file():  # the final policy
+        call(probe, cfg, run, trained, policy.backend)
+    return write_run_reports(cfg, run)
