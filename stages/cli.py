@@ -82,9 +82,7 @@ def evaluate(
     ] = "base",
 ) -> None:
     """GenEval protocol on the test prompts for the base model or a trained policy."""
-    from stages.flows import run_stage
-
-    run_stage("evaluate", _config(params, set_), run_name=f"evaluate/{policy}", policy=policy)
+    _run("evaluate", params, set_, run_name=f"evaluate/{policy}", policy=policy)
 
 
 def rescore(

@@ -25,8 +25,8 @@ def stage_task(name: str):
     (a plain function calling tasks)."""
     if name not in STAGES:
         raise KeyError(f"unknown stage {name!r}")
-    if name in globals():  # a flow of this module (`train`)
-        return globals()[name]
+    if name in FLOWS:
+        return FLOWS[name]
     return importlib.import_module(f"stages.{name}").__dict__[name]
 
 
@@ -158,8 +158,9 @@ def _train(cfg: Config, run, backend) -> dict[str, float]:
         metrics |= call(score, cfg, run, r, policy)
         metrics |= call(advantages, cfg, run, r)
         metrics |= call(update, cfg, run, r, policy, metrics)
-        log_metrics(metrics | phase_totals(metrics), step=r)
-        spent += phase_totals(metrics)["cost/round_nfe"]
+        totals = phase_totals(metrics)
+        log_metrics(metrics | totals, step=r)
+        spent += totals["cost/round_nfe"]
         prune_rollouts(run, keep=cfg.train.keep_rollouts)
         if probe_due(cfg, r + 1):
             call(probe, cfg, run, r + 1, policy.backend)
@@ -167,3 +168,6 @@ def _train(cfg: Config, run, backend) -> dict[str, float]:
     if cfg.train.eval_every and not probe_file(run, trained).is_file():  # the final policy
         call(probe, cfg, run, trained, policy.backend)
     return write_run_reports(cfg, run)
+
+
+FLOWS = {"train": train}  # stages whose work is a flow of this module, not a task module
