@@ -6,14 +6,18 @@ TP-GRPO through a full ODE completion. This benchmark takes the states of real c
 every estimator variant the pipeline can compute against the reference, the reward of the full
 guided ODE completion over the rest of the rollout's schedule:
 
-- `tweedie`: x − σ v, one model call (= one Euler step to 0);
+- `tweedie`: x − σ v (= one Euler step to 0; `score.estimator=tweedie`);
 - `substeps-T'`: T' uniform Euler substeps from σ to 0 (`score.ode_substeps`);
-- `coarse-k`: k Euler steps over the remaining rollout schedule, subsampled;
-- `completion`: the whole remaining schedule (the reference itself when guided);
-each with classifier-free guidance (`/cfg`, the sampler's scale) or without (`/nocfg`, half
-the NFEs). Per variant: Spearman ρ of its reward with the reference's, per state and pooled;
-mean absolute reward error; the share of stepwise (joint-normalized gain) advantages whose sign
-agrees with the reference's; NFEs and seconds per state.
+- `coarse-k`: k Euler steps over the remaining rollout schedule, evenly spaced
+  (`score.estimator=ode_completion`, `score.completion_steps=k`);
+- `completion`: the whole remaining schedule (`score.completion_steps=0`; the reference itself
+  when guided);
+each with classifier-free guidance (`/cfg`, the sampler's scale) or without (`/nocfg`). Guided
+variants start from the velocity the rollout computed at the state, as the pipeline does (its
+first Euler step is free: Tweedie costs no NFE). Per variant: Spearman ρ of its reward with the
+reference's, per state and pooled; mean absolute reward error; the share of stepwise
+(joint-normalized gain) advantages whose sign agrees with the reference's; NFEs and seconds per
+state.
 
     python benchmarks/estimators.py --run data/train/stepwise-s0 --rounds 3
 
@@ -33,29 +37,36 @@ from scipy.stats import spearmanr
 
 REPO = Path(__file__).resolve().parents[1]
 SUBSTEPS = (2, 3, 5)
-COARSE = (2, 3)
+COARSE = (2, 3, 4)
 
 
-def coarse_schedule(sigmas: torch.Tensor, start: int, k: int) -> torch.Tensor:
-    """k + 1 sigmas from sigmas[start] to 0, taken from the remaining schedule at evenly spaced
-    indices: (min(k, T − start) + 1,)."""
-    remaining = sigmas.numel() - 1 - start
-    index = torch.linspace(start, sigmas.numel() - 1, min(k, remaining) + 1).round().long()
-    return sigmas[index]
-
-
-def estimate(velocity, x, start: int, sigmas: torch.Tensor, variant: str) -> torch.Tensor:
-    """The clean estimate of states x (B, ...) at schedule index `start` by `variant`."""
+def estimate(velocity, x, start: int, sigmas: torch.Tensor, variant: str, first_velocity=None):
+    """The clean estimate of states x (B, ...) at schedule index `start` by `variant`, through
+    the pipeline's own estimators; `first_velocity` is the velocity at x when known."""
     from pipeline import sampling
 
     kind, _, k = variant.partition("-")
-    if kind == "tweedie":
-        return sampling.ode_substeps(velocity, x, sigmas[start], 1)
-    if kind == "substeps":
-        return sampling.ode_substeps(velocity, x, sigmas[start], int(k))
-    schedule = sigmas[start:] if kind == "completion" else coarse_schedule(sigmas, start, int(k))
-    rows = torch.zeros(x.shape[0], dtype=torch.long)
-    return sampling.ode_complete(lambda x_, s_, r_: velocity(x_, s_), x, rows, schedule)
+    if kind in ("tweedie", "substeps"):
+        steps = 1 if kind == "tweedie" else int(k)
+        return sampling.ode_substeps(
+            velocity, x, sigmas[start], steps, first_velocity=first_velocity
+        )
+    rows = torch.full((x.shape[0],), start, dtype=torch.long)
+    return sampling.ode_complete(
+        lambda x_, s_, r_: velocity(x_, s_), x, rows, sigmas,
+        max_steps=0 if kind == "completion" else int(k), first_velocity=first_velocity,
+    )  # fmt: skip
+
+
+def pipeline_name(cfg, method: str) -> str:
+    """The row of this table that `method` scores with under `cfg`'s params."""
+    estimator = "ode_completion" if method == "tp_grpo" else cfg.score.estimator
+    if estimator == "tweedie" or (estimator == "ode_substeps" and cfg.score.ode_substeps == 1):
+        return "tweedie/cfg"
+    if estimator == "ode_substeps":
+        return f"substeps-{cfg.score.ode_substeps}/cfg"
+    k = cfg.score.completion_steps
+    return "completion/cfg" if k == 0 else f"coarse-{k}/cfg"
 
 
 def variants() -> list[str]:
@@ -79,6 +90,15 @@ def score_round(cfg, run: Path, r: int, names: list[str]) -> dict[str, dict]:
     states = rounds.Schedule.of_rollout(rollout, cfg).boundary_states[:-1].tolist()
     embeds = backend.encode_prompts(rollout.prompts)
     out = {"final": mix(rollout.images, metadata)["mix"].double(), "groups": rollout.group_ids}
+    # The rollout's own guided velocity at each state (cached, or computed here once and not
+    # counted): guided estimates start from it, as the pipeline's do.
+    with torch.no_grad():
+        rollout_velocity = {
+            s: rollout.velocities[:, s] if rollout.velocities is not None
+            else backend.velocity(rollout.states[:, s], rollout.sigmas[s].expand(len(embeds)),
+                                  embeds, guidance=cfg.sampling.guidance)
+            for s in states
+        }  # fmt: skip
     for name in names:
         variant, guided = name.split("/")
         counter = rounds.CountingVelocity(backend, cfg.sampling.guidance if guided == "cfg" else 1)
@@ -86,8 +106,9 @@ def score_round(cfg, run: Path, r: int, names: list[str]) -> dict[str, dict]:
         start = time.perf_counter()
         columns = []
         for s in states:
+            v0 = rollout_velocity[s] if guided == "cfg" else None
             with torch.no_grad():
-                x0 = estimate(velocity, rollout.states[:, s], s, rollout.sigmas, variant)
+                x0 = estimate(velocity, rollout.states[:, s], s, rollout.sigmas, variant, v0)
                 images = backend.decode(x0)
             columns.append(mix(images, metadata)["mix"].double())
         out[name] = {
@@ -172,15 +193,13 @@ def main() -> None:
     names = variants()
     reference = "completion/cfg"
     scored = [score_round(cfg, run, r, names) for r in cached]
-    substeps = f"substeps-{cfg.score.ode_substeps}" if cfg.score.ode_substeps > 1 else "tweedie"
-    stepwise = "tweedie" if cfg.score.estimator == "tweedie" else substeps
     result = {
         "run": str(run.relative_to(REPO)) if run.is_relative_to(REPO) else str(run),
         "rounds": cached,
         "trajectories": sum(s["final"].numel() for s in scored),
         "reference": reference,
         "rows": [fidelity(scored, name, reference) for name in names],
-        "defaults": {"stepwise": f"{stepwise}/cfg", "tp_grpo": "completion/cfg"},
+        "defaults": {m: pipeline_name(cfg, m) for m in ("stepwise", "tp_grpo")},
     }
     command = "python benchmarks/estimators.py " + " ".join(
         f"--{k} {v}" for k, v in (("run", result["run"]), ("rounds", args.rounds))

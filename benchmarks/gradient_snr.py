@@ -23,6 +23,7 @@ writes reports/gradient_snr.json and reports/gradient_snr.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -125,7 +126,9 @@ def measure(name: str, args) -> dict:
         steps=schedule.steps, advantages=credit.advantages,
         embeds=backend.encode_prompts(rollout.prompts),
     )  # fmt: skip
-    grads = part_gradients(backend, batch, update_settings(cfg, schedule), rollout.group_ids, 4)
+    # The policy-gradient surrogate only: no KL term, so no reference pass.
+    settings = dataclasses.replace(update_settings(cfg, schedule), kl_beta=0.0)
+    grads = part_gradients(backend, batch, settings, rollout.group_ids, 4)
     trajectories_per_part = rollout.num_trajectories // 4
     cosines = pairwise_cosines(grads.sum(dim=1))
     overall = float(cosines.mean())

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from pipeline.config import METHOD_SAMPLER, Config
 
@@ -145,13 +146,16 @@ def method_summary(
     }
 
 
-def benchmark(runs: Runs, window: int = SMOOTHING) -> dict:
+def benchmark(runs: Runs, window: int = SMOOTHING, round_cost: dict | None = None) -> dict:
     """The sample-efficiency comparison of the challengers with flow_grpo (JSON-able).
 
     Holds `rounds_ratio`, `wallclock_ratio`, `round_cost_ratio` (seconds) and `round_nfe_ratio`,
     each {challenger: ratio or None}, whether each target is `met` (None: not measurable; False
     when the challenger never reached the target), the
     `target_reward`, per-method summaries, and `notes` saying why anything is missing.
+    With `round_cost` (`round_costs`: rounds timed side by side in one process) the cost ratios
+    come from it, and those of the training runs (timed whenever and wherever each ran) are
+    kept as `round_cost_ratio_runs` / `round_nfe_ratio_runs`.
     """
     notes: list[str] = []
     baseline_runs = runs.get(BASELINE)
@@ -196,6 +200,15 @@ def benchmark(runs: Runs, window: int = SMOOTHING) -> dict:
         result["round_nfe_ratio"][method] = ratio(
             own.get("nfe_per_round"), base.get("nfe_per_round")
         )
+    if round_cost is not None:
+        result["round_cost_ratio_runs"] = result["round_cost_ratio"]
+        result["round_nfe_ratio_runs"] = result["round_nfe_ratio"]
+        timed = round_cost["methods"]
+        for key, field in (("round_cost_ratio", "round_s"), ("round_nfe_ratio", "round_nfe")):
+            result[key] = {
+                m: ratio(timed.get(m, {}).get(field), timed.get(BASELINE, {}).get(field))
+                for m in CHALLENGERS
+            }
     met = {
         key: {m: is_met(result[key][m], goal) for m, goal in t.items()}
         for key, t in TARGETS.items()
@@ -282,6 +295,181 @@ def rollout_efficiency(backend, prompts: list[dict], cfg: Config, kind: str, rep
     }
 
 
+# ---------------------------------------------------------------------------------------------
+# one round of each method, side by side
+
+
+def for_method(cfg: Config, method: str) -> Config:
+    """`cfg` with `train.method` set (so `auto` picks that method's sampler)."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"method": method})})
+
+
+def raw_seconds_per_nfe(
+    backend, embeds, batch: int, guidance: float, *, backward: bool, repeats: int
+) -> float:
+    """Median seconds per NFE of bare guided denoiser calls on `batch` rows of `embeds` (with
+    a backward pass through the trainable weights when `backward`): what a phase would take
+    if it did nothing but call the network at that batch."""
+    rows = torch.arange(batch) % len(embeds)
+    x = torch.randn((batch, *backend.latent_shape), generator=torch.Generator().manual_seed(0))
+    sigma = torch.full((batch,), 0.5)
+    branches = 1 if guidance == 1 else 2
+
+    def call() -> None:
+        if backward:
+            backend.velocity(x, sigma, embeds[rows], guidance=guidance).square().mean().backward()
+        else:
+            with torch.no_grad():
+                backend.velocity(x, sigma, embeds[rows], guidance=guidance)
+
+    call()  # warm-up
+    seconds = statistics.median(_timed(call) for _ in range(repeats))
+    if backward:
+        backend.transformer.zero_grad(set_to_none=True)
+    return seconds / (batch * branches)
+
+
+def time_round(policy, prompts: list[dict], cfg: Config, round_index: int) -> dict:
+    """Seconds and NFEs of each phase of one round of `cfg.train.method`, computed as the train
+    flow does (`pipeline.rounds`; disk writes left out), from `policy`'s current weights."""
+    from pipeline import rounds
+    from pipeline.layout import trajectory_metadata
+    from pipeline.rewards import RewardMix
+
+    method, backend = cfg.train.method, policy.backend
+    schedule = rounds.Schedule.from_config(cfg)
+    chosen = rounds.select_prompts(
+        prompts, cfg.rollout.prompts_per_round, seed=0, round_index=round_index
+    )
+    sampled = rounds.CountingVelocity(backend, schedule.guidance)
+    estimated = rounds.CountingVelocity(backend, schedule.guidance)
+    start = time.perf_counter()
+    rollout = rounds.rollout_round(
+        backend, prompts, chosen, schedule, cfg, method=method, seed=0, round_index=round_index,
+        run_id="bench", model_version="bench", counter=sampled,
+    )  # fmt: skip
+    rolled = time.perf_counter()
+    scores = rounds.score_round(
+        backend, rollout, trajectory_metadata(cfg, rollout.prompts),
+        RewardMix(cfg, cfg.score.rewards), cfg, estimators=rounds.estimators_for(method, cfg),
+        schedule=schedule, counter=estimated,
+    )  # fmt: skip
+    credit = rounds.assign_credit(method, scores.table, rollout.group_ids, schedule, cfg)
+    scored = time.perf_counter()
+    metrics = rounds.update_round(
+        backend, policy.optimizer, rollout, credit.advantages, schedule, cfg, seed=0,
+        round_index=round_index,
+    )  # fmt: skip
+    updated = time.perf_counter()
+    return {
+        "seconds": {
+            "rollout": rolled - start,
+            "score": scored - rolled,
+            "update": updated - scored,
+        },
+        "nfe": {
+            "rollout": float(sampled.nfe),
+            "score": float(estimated.nfe),
+            "update": metrics["cost/update_nfe"],
+        },
+        "trained_pairs": int(credit.advantages.numel()),
+    }
+
+
+def raw_costs(policy, embeds, cfg: Config, repeats: int = 2) -> dict:
+    """Bare seconds per NFE at each phase's batch (`raw_seconds_per_nfe`): forward for rollout,
+    score and the update's reference, forward+backward for the update's policy part."""
+    guidance = cfg.sampling.guidance
+    batches = phase_batches(cfg)
+    return {
+        "forward_s_per_nfe": {
+            phase: raw_seconds_per_nfe(
+                policy.backend, embeds, batch, guidance, backward=False, repeats=repeats
+            )
+            for phase, batch in batches.items()
+        },
+        "forward_backward_s_per_nfe": raw_seconds_per_nfe(
+            policy.backend, embeds, batches["update"], guidance, backward=True, repeats=repeats
+        ),
+    }
+
+
+def phase_batches(cfg: Config) -> dict[str, int]:
+    """Rows (before CFG doubling) of each phase's network calls."""
+    return {
+        "rollout": cfg.rollout.prompts_per_round * cfg.rollout.group_size,
+        "score": cfg.score.batch_size,
+        "update": cfg.update.minibatch_size,
+    }
+
+
+def phase_efficiency(nfe: dict[str, float], seconds: dict[str, float], raw: dict, kl: bool):
+    """Per phase: the bare seconds of its NFEs / its seconds (None for a phase without NFEs).
+    With a KL term half of the update's NFEs are the reference's forward passes."""
+    forward = raw["forward_s_per_nfe"]
+    kl_share = 0.5 if kl else 0.0
+    update_per_nfe = (1 - kl_share) * raw["forward_backward_s_per_nfe"] + kl_share * forward[
+        "update"
+    ]
+    ideal = {
+        "rollout": nfe["rollout"] * forward["rollout"],
+        "score": nfe["score"] * forward["score"],
+        "update": nfe["update"] * update_per_nfe,
+    }
+    return {p: (ideal[p] / seconds[p] if nfe[p] > 0 else None) for p in PHASES}
+
+
+def round_costs(policy, prompts: list[dict], cfg: Config, methods: list[str], repeats: int) -> dict:
+    """One round of each method, interleaved `repeats` times in this process: per method the
+    median seconds and NFEs per phase, the round's seconds, and each phase's efficiency
+    (`phase_efficiency`), with the bare network calls timed right after each round so that the
+    machine's drifting speed cancels out (the median over rounds is kept).
+
+    Score and update include everything a phase does besides network calls (SDE math,
+    decoding, rewards, credit, optimizer steps), so 1 means no overhead at all.
+    """
+    methods = [m for m in methods if m in (BASELINE, *CHALLENGERS)]
+    embeds = policy.backend.encode_prompts([row["prompt"] for row in prompts[:64]])
+    samples: dict[str, list[dict]] = {m: [] for m in methods}
+    with tqdm(total=(repeats + 1) * len(methods), desc="rounds timed", unit="round") as bar:
+        for repeat in range(repeats + 1):  # the first pass warms up and is left out
+            for method in methods if repeat % 2 == 0 else reversed(methods):
+                bar.set_postfix_str(method)
+                timing = time_round(policy, prompts, for_method(cfg, method), repeat)
+                if repeat:
+                    timing["raw"] = raw_costs(policy, embeds, cfg)
+                    samples[method].append(timing)
+                bar.update()
+    result = {}
+    for method, timings in samples.items():
+        seconds = {p: statistics.median(t["seconds"][p] for t in timings) for p in PHASES}
+        nfe = {p: statistics.median(t["nfe"][p] for t in timings) for p in PHASES}
+        per_round = [
+            phase_efficiency(t["nfe"], t["seconds"], t["raw"], cfg.update.kl_beta > 0)
+            for t in timings
+        ]
+        result[method] = {
+            "seconds_by_phase": seconds,
+            "nfe_by_phase": nfe,
+            "round_s": sum(seconds.values()),
+            "round_nfe": sum(nfe.values()),
+            "efficiency": {
+                p: None if nfe[p] == 0 else statistics.median(e[p] for e in per_round)
+                for p in PHASES
+            },
+        }
+    every = [t["raw"] for timings in samples.values() for t in timings]
+    raw = {
+        "forward_s_per_nfe": {
+            p: statistics.median(r["forward_s_per_nfe"][p] for r in every) for p in PHASES
+        },
+        "forward_backward_s_per_nfe": statistics.median(
+            r["forward_backward_s_per_nfe"] for r in every
+        ),
+    }
+    return {"repeats": repeats, "batches": phase_batches(cfg), "raw": raw, "methods": result}
+
+
 def samplers_of(cfg: Config) -> list[str]:
     """The distinct rollout SDEs of the configured methods, in method order."""
     chosen = cfg.rollout.sampler
@@ -342,6 +530,42 @@ def benchmark_markdown(result: dict) -> str:
             f"| {_num(m['seconds_to_target'], '.1f')} | {_num(m['seconds_per_round'], '.2f')} "
             f"| {_num(m['nfe_per_round'], '.0f')} | {phases} |"
         )
+    cost = result.get("round_cost")
+    if cost:
+        lines += [
+            "",
+            f"One round of each method, side by side in this process (median of "
+            f"{cost['repeats']} interleaved rounds; disk writes left out). Efficiency = seconds "
+            "the phase's network calls take bare (forward, or forward+backward for the "
+            "policy's part of the update, at the phase's batch, timed right after each round) "
+            "/ the phase's seconds.",
+            "",
+            "| method | round s | × flow_grpo | rollout s | score s | update s "
+            "| NFE (rollout / score / update) | efficiency (rollout / score / update) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        base_s = cost["methods"].get(BASELINE, {}).get("round_s")
+        for method, m in cost["methods"].items():
+            sec, nfe, eff = m["seconds_by_phase"], m["nfe_by_phase"], m["efficiency"]
+            lines.append(
+                f"| {method} | {m['round_s']:.2f} | {_num(ratio(m['round_s'], base_s))} "
+                + "".join(f"| {sec[p]:.2f} " for p in PHASES)
+                + "| "
+                + " / ".join(f"{nfe[p]:.0f}" for p in PHASES)
+                + " | "
+                + " / ".join(_num(eff[p]) for p in PHASES)
+                + " |"
+            )
+        raw = cost["raw"]
+        lines += [
+            "",
+            "Bare network seconds per NFE: forward "
+            + ", ".join(
+                f"{raw['forward_s_per_nfe'][p] * 1e3:.2f} ms ({p}, batch {cost['batches'][p]})"
+                for p in PHASES
+            )
+            + f"; forward+backward {raw['forward_backward_s_per_nfe'] * 1e3:.2f} ms.",
+        ]
     rollout = result.get("rollout")
     if rollout:
         lines += [

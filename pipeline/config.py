@@ -193,15 +193,20 @@ class ScoreParams(Section):
     """`score` stage: rewards of clean-image estimates of cached states."""
 
     rewards: dict[str, Annotated[float, Field(ge=0)]] = {"geneval": 1.0}  # name -> weight
-    ode_substeps: PositiveInt = 5  # T' for the stepwise estimator (1 = Tweedie)
-    estimator: Literal["tweedie", "ode_substeps"] = "ode_substeps"  # stepwise's clean estimate
-    batch_size: PositiveInt = 256  # states per model call when completing estimates
+    # stepwise's clean estimate; tp_grpo's is always ode_completion (reports/estimators.md)
+    estimator: Literal["tweedie", "ode_substeps", "ode_completion"] = "ode_completion"
+    ode_substeps: PositiveInt = 5  # T' of the ode_substeps estimator (1 = Tweedie)
+    # Euler steps of an ODE completion over the remaining schedule, evenly spaced; 0 = all of
+    # them (the exact completion of TP-GRPO's paper)
+    completion_steps: Annotated[int, Field(ge=0)] = 3
+    batch_size: PositiveInt = 64  # states per model call when completing estimates
     estimate_images: Annotated[int, Field(ge=0)] = 4  # most non-monotonic trajectories kept
     # Real-image reward models (local directories, never downloaded; see pipeline.real_rewards).
     clip_path: Path = Path("data/rewards/clip")  # clipscore: CLIPModel + processor (e.g. PickScore)
     detector_path: Path = Path("data/rewards/owlv2")  # geneval_real*: OWLv2 detector + processor
     color_clip_path: Path = Path("data/rewards/clip")  # geneval_real*: CLIP for colour zero-shot
     reward_batch_size: PositiveInt = 16  # images per real-image reward model call
+    reward_workers: PositiveInt = 2  # processes for ShapesWorld's detector (geneval rewards)
     detector_nms_iou: Annotated[float, Field(gt=0, le=1)] = 1.0  # same-class IoU cap; 1 = off
 
     @field_validator("rewards")

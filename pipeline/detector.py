@@ -18,7 +18,11 @@ Detections with score < `min_score` are dropped.
 
 from __future__ import annotations
 
+import atexit
+import functools
+import multiprocessing
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
@@ -97,12 +101,39 @@ def detect(
     return found
 
 
-def detect_batch(images: torch.Tensor, **kwargs) -> list[dict[str, list[Detection]]]:
-    """`detect` on each image of a (B, 3, H, W) batch in [0, 1]."""
+def detect_batch(
+    images: torch.Tensor, *, workers: int = 1, **kwargs
+) -> list[dict[str, list[Detection]]]:
+    """`detect` on each image of a (B, 3, H, W) batch in [0, 1].
+
+    The detector is single-threaded numpy, so with `workers` > 1 a batch of at least
+    `PARALLEL_MIN_IMAGES` is split over that many worker processes (started once per process,
+    by spawn: no fork of a process that runs torch threads). Same detections either way.
+    """
     if images.ndim != 4 or images.shape[1] != 3:
         raise ValueError(f"expected (B, 3, H, W) images, got shape {tuple(images.shape)}")
-    array = images.detach().cpu().float().numpy().transpose(0, 2, 3, 1)  # (B, H, W, 3)
+    # Contiguous, as a worker receives it: numpy's sums depend on the memory layout in the
+    # last bits, and the detections must not depend on where they were computed.
+    array = np.ascontiguousarray(images.detach().cpu().float().numpy().transpose(0, 2, 3, 1))
+    if workers > 1 and len(array) >= PARALLEL_MIN_IMAGES:
+        chunks = np.array_split(array, workers)
+        found = _pool(workers).map(functools.partial(_detect_each, **kwargs), chunks)
+        return [detections for chunk in found for detections in chunk]
+    return _detect_each(array, **kwargs)
+
+
+PARALLEL_MIN_IMAGES = 32  # smaller batches cost less than handing them to the workers
+
+
+def _detect_each(array: np.ndarray, **kwargs) -> list[dict[str, list[Detection]]]:
     return [detect(im, **kwargs) for im in array]
+
+
+@functools.cache
+def _pool(workers: int) -> ProcessPoolExecutor:
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"))
+    atexit.register(pool.shutdown, cancel_futures=True)
+    return pool
 
 
 def _component_color(pixels: np.ndarray) -> int:

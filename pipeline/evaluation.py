@@ -54,12 +54,13 @@ def generate(
     return torch.cat(images)
 
 
-def judge(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
-    """GenEval verdicts: one {tag, prompt, correct, reason} per image."""
+def judge(images: Tensor, metadata: Sequence[dict], *, workers: int = 1) -> list[dict]:
+    """GenEval verdicts: one {tag, prompt, correct, reason} per image (detector processes:
+    `workers`)."""
     from pipeline.detector import detect_batch
 
     results = []
-    for meta, found in zip(metadata, detect_batch(images), strict=True):
+    for meta, found in zip(metadata, detect_batch(images, workers=workers), strict=True):
         correct, reason = evaluate(meta, found)
         results.append(
             {"tag": meta["tag"], "prompt": meta["prompt"], "correct": correct, "reason": reason}
@@ -91,7 +92,7 @@ def geneval_protocol(
         batch_size=cfg.evaluate.batch_size,
         desc=desc,
     )
-    results = judge(images, rows)
+    results = judge(images, rows, workers=cfg.score.reward_workers)
     return images, results, summarize(results)
 
 

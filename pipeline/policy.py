@@ -45,6 +45,7 @@ _SPEED_KEYS = (
     "model.device",
     "score.batch_size",
     "score.reward_batch_size",
+    "score.reward_workers",
     "score.estimate_images",
 )
 REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart

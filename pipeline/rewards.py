@@ -35,10 +35,14 @@ def register(name: str):
 Detect = Callable[[Tensor, Sequence[dict]], list[dict]]  # (images, metadata) -> detections
 
 
-def _shapes_detections(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
+def shapes_detector(cfg: Config) -> Detect:
+    """ShapesWorld's classical detector, on `score.reward_workers` processes."""
     from pipeline.detector import detect_batch
 
-    return detect_batch(images.detach().float().cpu())
+    def detect(images: Tensor, metadata: Sequence[dict]) -> list[dict]:
+        return detect_batch(images.detach().float().cpu(), workers=cfg.score.reward_workers)
+
+    return detect
 
 
 def partial_geneval_reward(detect: Detect) -> RewardFn:
@@ -67,13 +71,13 @@ def strict_geneval_reward(detect: Detect) -> RewardFn:
 @register("geneval")
 def geneval_partial(cfg: Config) -> RewardFn:
     """Dense GenEval reward on ShapesWorld's detector, in [0, 1]."""
-    return partial_geneval_reward(_shapes_detections)
+    return partial_geneval_reward(shapes_detector(cfg))
 
 
 @register("geneval_strict")
 def geneval_strict(cfg: Config) -> RewardFn:
     """GenEval's binary verdict on ShapesWorld's detector."""
-    return strict_geneval_reward(_shapes_detections)
+    return strict_geneval_reward(shapes_detector(cfg))
 
 
 @register("brightness")

@@ -192,6 +192,7 @@ def rollout_round(
             eta=schedule.eta,
             window=schedule.window,
             generator=noise_gen,
+            keep_velocities=True,  # the clean-image estimates of `score` start from them
         )
         images = backend.decode(result.final)
     # log-probs are NaN off the window by design; a non-finite state or image is what breaks
@@ -224,6 +225,7 @@ def rollout_round(
         group_ids=torch.arange(len(prompt_indices)).repeat_interleave(group_size),
         sample_idx=torch.arange(group_size).repeat(len(prompt_indices)),
         seeds=torch.full((n,), derived_seed(seed, round_index, "rollout"), dtype=torch.long),
+        velocities=result.velocities,
     )
 
 
@@ -245,25 +247,38 @@ def clean_estimates(
     *,
     estimator: str,
     substeps: int,
+    completion_steps: int,
     counter: CountingVelocity,
     batch_size: int,
 ) -> Tensor:
     """x̂0 of states (traj[m], state[m]), each (M,) long, in batches -> (M, C, H, W).
 
-    tweedie: x − σ v (one call); ode_substeps: T′ Euler substeps to 0 (Savani et al. 2026);
-    ode_completion: the rest of the rollout's schedule, deterministically (Tong et al. 2026).
+    tweedie: x − σ v; ode_substeps: T′ Euler substeps to 0 (Savani et al. 2026);
+    ode_completion: the rest of the rollout's schedule, deterministically (Tong et al. 2026), in
+    at most `completion_steps` Euler steps (0 = all). The velocity the rollout computed at each
+    state (its cache keeps it; `counter` guides as the rollout did, `sampling.guidance`) is the
+    first model call of every one of them, so it is reused: Tweedie costs no call, the others
+    one fewer.
     """
     out = []
     for start in range(0, traj.numel(), batch_size):
         t, s = traj[start : start + batch_size], state[start : start + batch_size]
         x = rollout.states[t, s]  # (b, C, H, W)
+        v0 = None if rollout.velocities is None else rollout.velocities[t, s]
         velocity = counter.bind(backend.encode_prompts([rollout.prompts[i] for i in t.tolist()]))
         with torch.no_grad():
             if estimator == "ode_completion":
-                out.append(sampling.ode_complete(velocity, x, s, rollout.sigmas))
+                out.append(
+                    sampling.ode_complete(
+                        velocity, x, s, rollout.sigmas, max_steps=completion_steps,
+                        first_velocity=v0,
+                    )
+                )  # fmt: skip
             else:
                 steps = 1 if estimator == "tweedie" else substeps
-                out.append(sampling.ode_substeps(velocity, x, rollout.sigmas[s], steps))
+                out.append(
+                    sampling.ode_substeps(velocity, x, rollout.sigmas[s], steps, first_velocity=v0)
+                )
     return torch.cat(out)
 
 
@@ -330,6 +345,7 @@ def score_round(
             state,
             estimator=estimator,
             substeps=cfg.score.ode_substeps,
+            completion_steps=cfg.score.completion_steps,
             counter=counter,
             batch_size=cfg.score.batch_size,
         )

@@ -337,52 +337,94 @@ def initial_noise(
     return noise.repeat_interleave(group_size, dim=0) if shared else noise
 
 
+def completion_paths(start_index: Tensor, num_steps: int, max_steps: int = 0) -> Tensor:
+    """Schedule indices each row's ODE completion visits, (N, L+1) long, L = min(max_steps, T).
+
+    Row r goes from start_index[r] to T in min(max_steps, T − start_index[r]) Euler steps over
+    evenly spaced indices of the remaining schedule (all of them when max_steps is 0 or covers
+    the rest, the exact completion), then stays at T (σ = 0: done). start_index: (N,) long.
+    """
+    if max_steps < 0:
+        raise ValueError(f"max_steps must be >= 0 (0 = every remaining step), got {max_steps}")
+    length = num_steps if max_steps == 0 else min(max_steps, num_steps)
+    start = start_index.double()[:, None]  # (N, 1)
+    remaining = num_steps - start
+    steps = torch.minimum(remaining, torch.tensor(float(length)))  # (N, 1) steps per row
+    j = torch.arange(length + 1, dtype=torch.float64)[None]  # (1, L+1)
+    # Evenly spaced in index; a row with fewer steps than L pads with T.
+    path = start + torch.where(steps > 0, remaining * j / steps.clamp(min=1), 0.0)
+    return torch.minimum(path.round(), torch.tensor(float(num_steps))).long()
+
+
 def ode_complete(
-    velocity_fn: RowVelocityFn, x: Tensor, start_index: Tensor, sigmas: Tensor
+    velocity_fn: RowVelocityFn,
+    x: Tensor,
+    start_index: Tensor,
+    sigmas: Tensor,
+    *,
+    max_steps: int = 0,
+    first_velocity: Tensor | None = None,
 ) -> Tensor:
     """Deterministic Euler completion to σ = 0, each row from its own schedule index.
 
     x: (N, ...), row r being the state at σ = sigmas[start_index[r]]; start_index: (N,) long in
-    [0, T]; sigmas: (T+1,) ending in 0. Returns (N, ...) in x's dtype. All rows advance together,
-    row r at index start_index[r] + t in iteration t; a row that has reached σ = 0 leaves the
-    batch, so ``velocity_fn(x_rows, sigma_rows, rows)`` sees only the rows still moving (``rows``
-    (M,) long, their indices in x, for per-row conditioning). Cost: Σ_r (T − start_index[r])
-    row evaluations in T − min(start_index) calls.
+    [0, T]; sigmas: (T+1,) ending in 0. ``max_steps`` > 0 takes at most that many Euler steps
+    over the remaining schedule (:func:`completion_paths`; Tong et al. 2026 complete over all
+    of it, 0). ``first_velocity`` (N, ...) is the velocity at x when already known (the
+    rollout's own evaluation at that state): it replaces the first call. Returns (N, ...) in
+    x's dtype. All rows advance together; a row that has reached σ = 0 leaves the batch, so
+    ``velocity_fn(x_rows, sigma_rows, rows)`` sees only the rows still moving (``rows`` (M,)
+    long, their indices in x, for per-row conditioning).
     """
     num_steps = _check_schedule(sigmas)
     if start_index.shape != (x.shape[0],) or start_index.dtype != torch.long:
         raise ValueError(f"start_index must be ({x.shape[0]},) long, got {start_index.shape}")
-    start_index = start_index.to(x.device)
+    if first_velocity is not None and first_velocity.shape != x.shape:
+        raise ValueError(f"first_velocity {tuple(first_velocity.shape)} != x {tuple(x.shape)}")
     if bool((start_index < 0).any() | (start_index > num_steps).any()):
         raise ValueError(f"start_index must lie in [0, {num_steps}]")
+    paths = completion_paths(start_index.cpu(), num_steps, max_steps).to(x.device)  # (N, L+1)
     sigmas = sigmas.to(x.device, torch.float32)
     x = x.clone()
-    for t in range(num_steps - int(start_index.min())):
-        rows = (start_index + t < num_steps).nonzero().flatten()  # (M,) still moving
-        index = start_index[rows] + t
-        sigma, sigma_next = sigmas[index], sigmas[index + 1]  # (M,)
+    for j in range(paths.shape[1] - 1):
+        rows = (paths[:, j] < num_steps).nonzero().flatten()  # (M,) still moving
+        if rows.numel() == 0:
+            break
+        sigma, sigma_next = sigmas[paths[rows, j]], sigmas[paths[rows, j + 1]]  # (M,)
         x_rows = x[rows]
-        v = velocity_fn(x_rows, sigma, rows)
+        if j == 0 and first_velocity is not None:
+            v = first_velocity[rows]
+        else:
+            v = velocity_fn(x_rows, sigma, rows)
         # Cast per step, as the rollout does: each state is what the next model call sees.
         x[rows] = _affine(x_rows, v, torch.ones_like(sigma), sigma_next - sigma).to(x.dtype)
     return x
 
 
 def ode_substeps(
-    velocity_fn: VelocityFn, x: Tensor, sigma: float | Tensor, n_substeps: int
+    velocity_fn: VelocityFn,
+    x: Tensor,
+    sigma: float | Tensor,
+    n_substeps: int,
+    *,
+    first_velocity: Tensor | None = None,
 ) -> Tensor:
     """x̂0 from T′ = ``n_substeps`` uniform Euler steps from each row's own σ to 0.
 
     x: (N, ...); sigma: float or (N,). Row r steps through σ_r·(1 − j/T′), j = 0..T′. T′ = 1 is
-    Tweedie's estimate x − σ·v (Savani et al. 2026, stepwise rewards). Returns (N, ...), x's dtype.
+    Tweedie's estimate x − σ·v (Savani et al. 2026, stepwise rewards). ``first_velocity``
+    (N, ...), the velocity at (x, σ) when already known, replaces the first call (so Tweedie
+    costs none). Returns (N, ...), x's dtype.
     """
     if n_substeps < 1:
         raise ValueError(f"n_substeps must be >= 1, got {n_substeps}")
+    if first_velocity is not None and first_velocity.shape != x.shape:
+        raise ValueError(f"first_velocity {tuple(first_velocity.shape)} != x {tuple(x.shape)}")
     sigma = _per_row(sigma, x.shape[0], x.device)  # (N,)
     for j in range(n_substeps):
         sigma_j = sigma * (n_substeps - j) / n_substeps
         sigma_next = sigma * (n_substeps - j - 1) / n_substeps
-        v = velocity_fn(x, sigma_j)
+        v = first_velocity if j == 0 and first_velocity is not None else velocity_fn(x, sigma_j)
         x = _affine(x, v, torch.ones_like(sigma), sigma_next - sigma_j).to(x.dtype)
     return x
 

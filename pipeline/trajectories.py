@@ -80,6 +80,7 @@ _ROLLOUT_STEP_COLUMNS = [
     "std",
     "log_prob",
 ]
+VELOCITY_COLUMN = "velocity"  # optional: the model velocity the sampler used at x
 
 
 class TrajectoryCacheError(CreditflowError, RuntimeError):
@@ -101,6 +102,9 @@ class RoundRollout:
         window:    (T,) bool          step t is an SDE (trained) step
         images:    (N, 3, Hi, Wi)     decoded final images in [0, 1]
         group_ids, sample_idx, seeds: (N,) int64
+        velocities: (N, T, C, H, W)   the (guided) model velocity at each state, as sampled;
+                                      None for caches written before it was kept (schema 1
+                                      made it optional); clean-image estimates reuse it
     """
 
     run_id: str
@@ -122,6 +126,7 @@ class RoundRollout:
     group_ids: torch.Tensor
     sample_idx: torch.Tensor
     seeds: torch.Tensor
+    velocities: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n, t_plus_1 = self.states.shape[:2]
@@ -137,6 +142,8 @@ class RoundRollout:
             "sample_idx": (n,),
             "seeds": (n,),
         }
+        if self.velocities is not None:
+            expected["velocities"] = (n, t, *latent)
         for name, shape in expected.items():
             if tuple(getattr(self, name).shape) != shape:
                 raise ValueError(
@@ -381,10 +388,24 @@ def open_dataset(root: Path, table: str = STEPS, rounds: Sequence[int] | None = 
     )
 
 
-def _read_table(root: Path, table: str, round: int, columns: list[str] | None = None) -> pa.Table:
-    """One complete round of a table, files in manifest order, ``round`` as the first column."""
+def _read_table(
+    root: Path,
+    table: str,
+    round: int,
+    columns: list[str] | None = None,
+    optional: Sequence[str] = (),
+) -> pa.Table:
+    """One complete round of a table, files in manifest order, ``round`` as the first column.
+
+    ``columns`` (default all) must exist; the ``optional`` ones are added where the files have
+    them (columns a later writer added).
+    """
     parts = []
-    for path in _complete_files(root, table, round):
+    files = _complete_files(root, table, round)
+    if columns is not None and optional and files:
+        present = pq.read_schema(files[0]).names
+        columns = columns + [name for name in optional if name in present]
+    for path in files:
         try:
             parts.append(pq.read_table(path, columns=columns, partitioning=None))
         except (pa.ArrowException, OSError) as error:
@@ -447,7 +468,12 @@ def _steps_table(rollout: RoundRollout, rows: range) -> pa.Table:
             _column("sampler", [rollout.sampler] * (n * t), pa.string()),
             _column("eta", np.full(n * t, rollout.eta), pa.float64()),
             _column("model_version", [rollout.model_version] * (n * t), pa.string()),
-        ],
+        ]
+        + (
+            []
+            if rollout.velocities is None
+            else [_column_from_tensor("velocity", rollout.velocities[s].reshape(n * t, *latent))]
+        ),
     )
 
 
@@ -492,7 +518,8 @@ def write_rollout(
     # The steps manifest marks the rollout complete: removed first, written last.
     _invalidate(steps_dir, overwrite)
     _invalidate(finals_dir, overwrite=True)
-    per_trajectory = 3 * rollout.means[0].numel()  # x, x_next, mean: T tensors each
+    # x, x_next, mean (and velocity): T tensors each
+    per_trajectory = (3 + (rollout.velocities is not None)) * rollout.means[0].numel()
     chunks = _trajectory_chunks(
         rollout.num_trajectories, per_trajectory * rollout.states.element_size(), file_bytes
     )
@@ -518,7 +545,11 @@ def read_rollout(root: Path, round: int) -> RoundRollout:
     truncated file, or an unknown schema version.
     """
     # Manifest order is trajectory-major.
-    steps = _read_table(root, STEPS, round, columns=_ROLLOUT_STEP_COLUMNS)
+    # Caches written before rollouts kept their velocities lack that column.
+    steps = _read_table(
+        root, STEPS, round, columns=_ROLLOUT_STEP_COLUMNS, optional=[VELOCITY_COLUMN]
+    )
+    has_velocity = VELOCITY_COLUMN in steps.column_names
     finals = _read_table(root, FINALS, round)
     n = finals.num_rows
     t = steps.num_rows // max(n, 1)
@@ -550,6 +581,9 @@ def read_rollout(root: Path, round: int) -> RoundRollout:
         model_version=first["model_version"],
         states=torch.cat([x, x_last], dim=1),  # (N, T+1, C, H, W)
         means=tensor_column(steps, "mean").reshape(n, t, *latent),  # (N, T, C, H, W)
+        velocities=(
+            tensor_column(steps, VELOCITY_COLUMN).reshape(n, t, *latent) if has_velocity else None
+        ),
         stds=tensor_column(steps, "std").reshape(n, t),
         log_probs=tensor_column(steps, "log_prob").reshape(n, t),
         sigmas=sigmas,

@@ -1,8 +1,9 @@
 """`bench` stage: the sample-efficiency benchmark, side by side in one run.
 
 Reads every configured training run's `reports/train/<run>/rounds.json` (rounds and wall-clock to
-flow_grpo's final reward, per-round cost; definitions in `pipeline.bench`) and times, in this
-process, a rollout of the base model against the same raw batched denoiser calls. Writes
+flow_grpo's final reward; definitions in `pipeline.bench`) and times, in this process, a rollout
+of the base model against the same raw batched denoiser calls, and rounds of every method side
+by side (their cost ratio and each phase's efficiency). Writes
 `reports/benchmark.json` and `reports/benchmark.md`.
 """
 
@@ -17,31 +18,36 @@ from pipeline.bench import (
     benchmark_markdown,
     read_training_runs,
     rollout_efficiency,
+    round_costs,
     samplers_of,
 )
 from pipeline.config import Config, ConfigError
 from pipeline.io import write_json, write_text
-from pipeline.policy import load_backend
+from pipeline.policy import Policy, load_backend
 from pipeline.tracking import log_artifact, log_metrics
 
 REPEATS = 5  # timed rollouts (and raw passes) per sampler; the median is kept
+ROUND_REPEATS = 3  # timed rounds per method (after one warm-up round each)
 
 
 @task(name="bench", cache_policy=NO_CACHE)
 def bench(cfg: Config) -> dict:
     runs = read_training_runs(cfg.path(layout.REPORTS), cfg.train.methods, cfg.train.seeds)
-    result = benchmark(runs)
     try:
         backend, prompts = load_backend(cfg).eval(), layout.load_prompts(cfg, "train")
     except ConfigError as exc:
+        result = benchmark(runs)
         result["rollout"], result["rollout_efficiency"] = [], None
-        result["notes"].append(f"rollout efficiency not measured: {exc}")
+        result["notes"].append(f"rollout efficiency and round costs not measured: {exc}")
     else:
-        result["rollout"] = [
+        rollout = [
             rollout_efficiency(backend, prompts, cfg, kind, REPEATS) for kind in samplers_of(cfg)
         ]
+        policy = Policy.create(cfg, backend)  # LoRA on: the network the rounds train
+        cost = round_costs(policy, prompts, cfg, cfg.train.methods, ROUND_REPEATS)
+        result = benchmark(runs, round_cost=cost) | {"round_cost": cost, "rollout": rollout}
         # The slowest sampler bounds what any method's rollouts keep of raw throughput.
-        result["rollout_efficiency"] = min(r["efficiency"] for r in result["rollout"])
+        result["rollout_efficiency"] = min(r["efficiency"] for r in rollout)
     reports = cfg.path(layout.REPORTS)
     write_json(reports / "benchmark.json", result)
     write_text(reports / "benchmark.md", benchmark_markdown(result))
@@ -50,6 +56,8 @@ def bench(cfg: Config) -> dict:
         for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_nfe_ratio")
         for method, value in result[key].items()
     } | {"bench/rollout_efficiency": result["rollout_efficiency"]}
+    for method, timed in result.get("round_cost", {}).get("methods", {}).items():
+        flat |= {f"bench/efficiency/{method}/{p}": v for p, v in timed["efficiency"].items()}
     log_metrics(flat)
     log_artifact(reports / "benchmark.md")
     log_artifact(reports / "benchmark.json")

@@ -124,13 +124,33 @@ def test_missing_baseline_or_a_flat_baseline_gives_no_ratios(tmp_path):
 
 def test_bench_stage_writes_json_and_markdown(tiny_project, monkeypatch):
     monkeypatch.setattr("stages.bench.REPEATS", 2)  # seconds, not minutes, on a shared CPU
+    monkeypatch.setattr("stages.bench.ROUND_REPEATS", 1)
     write_runs(tiny_project, CURVES)
-    bench.fn(load_config(tiny_project / "params.yaml"))
+    cfg = load_config(tiny_project / "params.yaml")
+    bench.fn(cfg)
     result = json.loads((tiny_project / "reports/benchmark.json").read_text())
-    for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio"):
+    for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_cost_ratio_runs"):
         assert set(result[key]) == {"stepwise", "tp_grpo"}
     assert result["rounds_ratio"]["stepwise"] == pytest.approx(1 / 3)
     assert result["rounds_ratio"]["tp_grpo"] is None
+    # Round costs: the training runs' ratios are kept; the verdict's come from rounds timed
+    # side by side here.
+    assert result["round_cost_ratio_runs"] == {"stepwise": 2.0, "tp_grpo": 3.0}
+    timed = result["round_cost"]["methods"]
+    for method in ("stepwise", "tp_grpo"):
+        assert result["round_cost_ratio"][method] == pytest.approx(
+            timed[method]["round_s"] / timed["flow_grpo"]["round_s"]
+        )
+    # NFEs by hand (8 trajectories, T = 4, trained steps 0-2 or 1-2, CFG: 2 per call).
+    assert timed["flow_grpo"]["nfe_by_phase"] == {
+        "rollout": 8 * 4 * 2,
+        "score": 0,
+        "update": 8 * 3 * 4,
+    }
+    assert timed["flow_grpo"]["efficiency"]["score"] is None  # no network calls to compare
+    # tp_grpo completes from states 0, 1, 2 in min(3, 4 - s) steps, the first one reused.
+    assert timed["tp_grpo"]["nfe_by_phase"]["score"] == 8 * 2 * ((3 - 1) + (3 - 1) + (2 - 1))
+    assert all(v > 0 for v in timed["tp_grpo"]["efficiency"].values())
     # Both samplers in use (flow_grpo's for flow_grpo and tp_grpo, stepwise's) are timed.
     assert [r["sampler"] for r in result["rollout"]] == ["flow_grpo", "stepwise"]
     assert result["rollout"][0]["batch"] == 8 and result["rollout"][0]["steps"] == 4
@@ -144,7 +164,10 @@ def test_bench_stage_writes_json_and_markdown(tiny_project, monkeypatch):
     text = (tiny_project / "reports/benchmark.md").read_text()
     assert "| rounds to target | stepwise | 0.33 | ≤ 0.33 | met |" in text
     assert "| rounds to target | tp_grpo | not reached in 12 rounds | ≤ 0.33 | not met |" in text
-    assert "| seconds per round | stepwise | 2.00 | ≤ 1.50 | not met |" in text
+    ratio = result["round_cost_ratio"]["stepwise"]
+    verdict = "met" if ratio <= 1.5 else "not met"
+    assert f"| seconds per round | stepwise | {ratio:.2f} | ≤ 1.50 | {verdict} |" in text
+    assert "One round of each method, side by side" in text
 
 
 def test_bench_without_a_base_model_still_reports_the_ratios(project):
@@ -153,4 +176,4 @@ def test_bench_without_a_base_model_still_reports_the_ratios(project):
     result = json.loads((project / "reports/benchmark.json").read_text())
     assert result["rollout_efficiency"] is None
     assert result["round_cost_ratio"]["stepwise"] == pytest.approx(2.0)
-    assert any("rollout efficiency not measured" in n for n in result["notes"])
+    assert any("rollout efficiency and round costs not measured" in n for n in result["notes"])

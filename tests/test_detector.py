@@ -125,3 +125,21 @@ def test_hand_placed_star_cross_diamond():
     assert {k: len(v) for k, v in found.items() if v} == {"star": 1, "cross": 1, "diamond": 1}
     colors = {k: v[0].color for k, v in found.items() if v}
     assert colors == {"star": "green", "cross": "purple", "diamond": "orange"}
+
+
+def test_detection_on_worker_processes_equals_one_process():
+    metas, _ = world.make_prompts(24, 0, seed=3)
+    rng = np.random.default_rng(3)
+    images = world.degrade(world.render_batch(metas * 2, rng), torch.Generator().manual_seed(3))
+    assert len(images) >= 32  # PARALLEL_MIN_IMAGES: large enough to go to the workers
+    serial, parallel = detect_batch(images), detect_batch(images, workers=2)
+
+    def plain(found):
+        return [
+            {name: [(d.box, d.score, d.color, d.mask.tobytes()) for d in dets]
+             for name, dets in image.items()}
+            for image in found
+        ]  # fmt: skip
+
+    assert plain(parallel) == plain(serial)
+    assert sum(len(d) for image in serial for d in image.values()) > len(images)  # not empty

@@ -16,9 +16,11 @@ from pipeline.grpo import (
     lora_parameters,
     pair_terms,
     ppo_clip_loss,
+    reference_means,
 )
 from pipeline.layout import load_prompts
 from pipeline.policy import Policy
+from pipeline.sampling import sde_step
 
 
 def test_ppo_clip_loss_by_hand():
@@ -74,7 +76,9 @@ def test_recomputed_log_probs_are_on_policy_for_every_step(tiny):
     batch = _batch(policy, result, schedule, torch.zeros(n, k))
     traj, col = batch.pairs()
     settings = rounds.update_settings(cfg, schedule)
-    log_prob, old, *_ = pair_terms(policy.backend, batch, traj, col, settings)
+    reference = reference_means(policy.backend, batch, settings)
+    log_prob, old, _, _, kl = pair_terms(policy.backend, batch, traj, col, settings, reference)
+    assert kl.abs().max() < 1e-9  # zero-initialised LoRA B: the policy is still the base
     ratio = torch.exp(log_prob - old)
     assert ratio.shape == (n * k,)
     assert (ratio - 1).abs().max() < 1e-6
@@ -112,3 +116,39 @@ def test_update_changes_only_lora_and_reference_stays_base(tiny):
             v_ref = policy.backend.velocity(x, sigma, embeds, guidance=cfg.sampling.guidance)
     assert torch.equal(v_ref, v_base)
     assert not torch.equal(v_policy, v_base)
+
+
+def test_reference_means_are_the_base_policys_step_means(tiny):
+    """One no-grad pass per round (any chunking) gives each pair's reference mean, to 1e-6."""
+    cfg, policy, schedule, result = tiny
+    backend = policy.backend
+    with torch.no_grad():  # move the policy away from the base
+        for p in lora_parameters(backend.transformer):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    batch = _batch(
+        policy, result, schedule, torch.zeros(result.num_trajectories, schedule.steps.numel())
+    )
+    settings = rounds.update_settings(cfg, schedule)
+    reference = reference_means(backend, batch, settings, chunk=3)
+    traj, col = batch.pairs()
+    step = schedule.steps[col]
+    x, sigma = result.states[traj, step], result.sigmas[step]
+
+    def means():
+        v = backend.velocity(x, sigma, batch.embeds[traj], guidance=cfg.sampling.guidance)
+        following = result.states[traj, step + 1]
+        sigma_next, sigma_max = result.sigmas[step + 1], float(result.sigmas[1])
+        return sde_step(
+            x, v, sigma, sigma_next, kind=settings.kind, eta=settings.eta, sigma_max=sigma_max,
+            prev_sample=following,
+        ).mean  # fmt: skip
+
+    with torch.no_grad(), adapters_disabled(backend.transformer):
+        base = means()
+    with torch.no_grad():
+        adapted = means()
+    assert reference.shape == (*batch.advantages.shape, *x.shape[1:])
+    torch.testing.assert_close(reference[traj, col], base, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(base, adapted, atol=1e-4)  # the adapters matter here
+    with pytest.raises(ValueError, match="reference"):
+        pair_terms(backend, batch, traj, col, settings)

@@ -9,6 +9,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 
 from pipeline.sampling import (
     KINDS,
+    completion_paths,
     initial_noise,
     ode_complete,
     ode_substeps,
@@ -331,6 +332,66 @@ def test_ode_complete_masks_rows_by_start_index():
     )
     with pytest.raises(ValueError, match="start_index"):
         ode_complete(row_velocity, x, torch.tensor([0, 9, 0, 0, 0]), sigmas)
+
+
+def test_completion_paths_by_hand():
+    start = torch.tensor([0, 7, 9, 10])
+    assert completion_paths(start, 10, 3).tolist() == [
+        [0, 3, 7, 10],  # 10 remaining steps in 3: indices 0, 3.33, 6.67, 10 rounded
+        [7, 8, 9, 10],  # exactly 3 remaining: every one of them
+        [9, 10, 10, 10],  # 1 remaining, then done (padded with T)
+        [10, 10, 10, 10],  # already at σ = 0
+    ]
+    assert completion_paths(start, 10, 0).tolist()[1] == [7, 8, 9, 10] + [10] * 7
+    with pytest.raises(ValueError, match="max_steps"):
+        completion_paths(start, 10, -1)
+
+
+def test_coarse_completion_covering_the_rest_is_the_exact_completion():
+    sigmas = timesteps_sigmas(8, shift=3.0)
+    x, _ = batch(shape=(5, 2, 3, 3))
+    start = torch.tensor([0, 8, 2, 5, 7])
+    exact = ode_complete(row_velocity, x, start, sigmas)
+    assert torch.equal(ode_complete(row_velocity, x, start, sigmas, max_steps=8), exact)
+    coarse = ode_complete(row_velocity, x, start, sigmas, max_steps=2)
+    # Rows with at most 2 steps left complete exactly; the others take 2 larger Euler steps.
+    assert torch.equal(coarse[[1, 4]], exact[[1, 4]])
+    assert not torch.allclose(coarse[0], exact[0])
+    by_hand = x[0:1]
+    for i, j in [(0, 4), (4, 8)]:
+        by_hand = by_hand + (sigmas[j] - sigmas[i]) * smooth_velocity(by_hand, sigmas[i : i + 1])
+    torch.testing.assert_close(coarse[0:1], by_hand, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("max_steps", [0, 2])
+def test_a_known_first_velocity_replaces_the_first_call(max_steps):
+    sigmas = timesteps_sigmas(8, shift=3.0)
+    x, _ = batch(shape=(5, 2, 3, 3))
+    start = torch.tensor([0, 8, 2, 5, 7])
+    v0 = smooth_velocity(x, sigmas[start])
+    calls = []
+
+    def counted(x_, s_, rows):
+        calls.append(rows.numel())
+        return smooth_velocity(x_, s_)
+
+    exact = ode_complete(counted, x, start, sigmas, max_steps=max_steps)
+    full_cost = sum(calls)
+    calls.clear()
+    reused = ode_complete(counted, x, start, sigmas, max_steps=max_steps, first_velocity=v0)
+    assert torch.equal(reused, exact)
+    assert sum(calls) == full_cost - 4  # one call fewer for each of the 4 rows still moving
+    for n in (1, 3):
+        calls.clear()
+        substeps = ode_substeps(lambda x_, s_: calls.append(1) or smooth_velocity(x_, s_), x,
+                                sigmas[start], n, first_velocity=v0)  # fmt: skip
+        assert len(calls) == n - 1
+        # (σ·T′/T′ may round off σ by an ulp: equal to float precision, not bit for bit)
+        torch.testing.assert_close(
+            substeps, ode_substeps(smooth_velocity, x, sigmas[start], n), rtol=1e-6, atol=1e-6
+        )
+    with pytest.raises(ValueError, match="first_velocity"):
+        ode_complete(counted, x, start, sigmas, first_velocity=v0[:2])
 
 
 def variance_chain(kind, eta, data_variance, sigmas, window):

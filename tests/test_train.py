@@ -37,14 +37,27 @@ def train(project, overrides):
     return cfg, summary
 
 
-@pytest.mark.parametrize("method", ["flow_grpo", "stepwise", "tp_grpo"])
-def test_each_method_raises_the_training_reward(tiny_project, bright, method):
-    cfg, summary = train(tiny_project, [*bright, f"train.method={method}", "train.rounds=6"])
-    rewards = [r["reward/mean"] for r in json.loads(_rounds_json(cfg).read_text())]
-    assert len(rewards) == summary["rounds"] == 6
-    # Fixed seeds make this deterministic; each method gains 0.016-0.019 here (world of six
-    # shapes), the margin leaves room for changes that move the draws.
-    assert sum(rewards[3:]) / 3 > sum(rewards[:3]) / 3 + 0.005, rewards
+@pytest.mark.parametrize("method", ["flow_grpo", "tp_grpo"])
+def test_training_raises_the_reward_over_a_frozen_control(tiny_project, bright, method):
+    """Paired against the same run with the policy frozen (lr 1e-12: Adam's steps vanish), which
+    draws the same prompts and noise every round, so the prompt draw cancels out. Unpaired
+    curves mislead: with the policy frozen, seed 1's curve rises by 0.016 from rounds 0-2 to
+    3-5 on the draw alone (stepwise, which passed that unpaired test, is within 0.002 of its
+    frozen control over rounds 3-5 here: it does not learn this tiny task; see README)."""
+
+    def curve(*overrides):
+        cfg, summary = train(tiny_project, [*bright, f"train.method={method}", *overrides])
+        rewards = [r["reward/mean"] for r in json.loads(_rounds_json(cfg).read_text())]
+        assert len(rewards) == summary["rounds"] == 6
+        return torch.tensor(rewards)
+
+    trained = curve("train.rounds=6")
+    with pytest.warns(RuntimeWarning, match="other inputs"):  # the trained run is set aside
+        frozen = curve("train.rounds=6", "update.lr=1e-12")
+    assert trained[0] == frozen[0]  # round 0 precedes any update
+    # Fixed seeds make this deterministic: the gain over rounds 3-5 is 0.036 (flow_grpo) and
+    # 0.019 (tp_grpo); the margin leaves room for changes that move the draws.
+    assert (trained[3:] - frozen[3:]).mean() > 0.01, (trained, frozen)
 
 
 def _rounds_json(cfg):
@@ -343,3 +356,58 @@ def test_later_stages_read_the_schedule_from_the_cache_and_refuse_other_params(t
         with pytest.raises(CreditflowError, match=f"round 0 was sampled with another {what}"):
             advantages.fn(other, run, 0)
     pd.testing.assert_frame_equal(pd.read_parquet(advantages_file(run, 0)), before)
+
+
+@pytest.mark.parametrize(
+    ("method", "overrides"),
+    [
+        ("stepwise", ["score.estimator=tweedie"]),
+        ("stepwise", ["score.estimator=ode_substeps", "score.ode_substeps=3"]),
+        ("tp_grpo", ["score.completion_steps=0"]),
+        ("tp_grpo", ["score.completion_steps=2"]),
+    ],
+)
+def test_estimates_from_the_rollouts_velocities_equal_recomputed_ones(
+    tiny_project, method, overrides
+):
+    """Reusing the velocity the rollout computed at a state is no approximation: the same
+    score table to 1e-6 as calling the model again, one call fewer per estimated state."""
+    from pipeline import rounds
+    from pipeline.layout import load_prompts, trajectory_metadata
+    from pipeline.policy import load_backend
+    from pipeline.rewards import RewardMix
+
+    cfg = load_config(tiny_project / "params.yaml", [f"train.method={method}", *overrides])
+    backend, prompts = load_backend(cfg), load_prompts(cfg, "train")
+    schedule = rounds.Schedule.from_config(cfg)
+    counter = rounds.CountingVelocity(backend, cfg.sampling.guidance)
+    rollout = rounds.rollout_round(
+        backend, prompts, [0, 1], schedule, cfg, method=method, seed=0, round_index=0,
+        run_id="r", model_version="base", counter=counter,
+    )  # fmt: skip
+    # The cached velocity is the model's guided velocity at each state.
+    with torch.no_grad():
+        again = backend.velocity(
+            rollout.states[:, 3], rollout.sigmas[3].expand(rollout.num_trajectories),
+            backend.encode_prompts(rollout.prompts), guidance=cfg.sampling.guidance,
+        )  # fmt: skip
+    torch.testing.assert_close(rollout.velocities[:, 3], again, rtol=1e-6, atol=1e-6)
+
+    def scored(velocities):
+        counter = rounds.CountingVelocity(backend, cfg.sampling.guidance)
+        rollout.velocities = velocities
+        result = rounds.score_round(
+            backend, rollout, trajectory_metadata(cfg, rollout.prompts),
+            RewardMix(cfg, cfg.score.rewards), cfg,
+            estimators=rounds.estimators_for(method, cfg), schedule=schedule, counter=counter,
+        )  # fmt: skip
+        return result.table, counter.nfe
+
+    kept = rollout.velocities
+    (reused, reused_nfe), (recomputed, recomputed_nfe) = scored(kept), scored(None)
+    states = rollout.num_trajectories * schedule.steps.numel()
+    assert recomputed_nfe - reused_nfe == states * 2  # one guided call (2 NFEs) per state
+    assert reused[["trajectory", "step", "estimator", "reward"]].equals(
+        recomputed[["trajectory", "step", "estimator", "reward"]]
+    )
+    assert (reused.value - recomputed.value).abs().max() < 1e-6

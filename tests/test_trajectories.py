@@ -74,12 +74,16 @@ def make_rollout(round: int, dtype=torch.float32, step_dtype=None, seed: int = 0
         group_ids=torch.arange(N) // 2,
         sample_idx=torch.arange(N) % 2,
         seeds=torch.arange(N) + 2**40,
+        velocities=_tensor(g, (N, T, *LATENT), step_dtype),
     )
 
 
 def assert_same_rollout(a: RoundRollout, b: RoundRollout) -> None:
-    for name in ("states", "means", "stds", "log_probs", "sigmas", "images"):
+    assert (a.velocities is None) == (b.velocities is None)
+    for name in ("states", "means", "stds", "log_probs", "sigmas", "images", "velocities"):
         x, y = getattr(a, name), getattr(b, name)
+        if x is None:
+            continue
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert torch.equal(x.view(BITS[x.dtype]), y.view(BITS[y.dtype])), name  # bit-exact
     for name in ("window", "group_ids", "sample_idx", "seeds"):
@@ -89,8 +93,8 @@ def assert_same_rollout(a: RoundRollout, b: RoundRollout) -> None:
     assert (a.prompt_ids, a.prompts, a.tags) == (b.prompt_ids, b.prompts, b.tags)
 
 
-# Bytes of two trajectories of x, x_next, mean in fp32: three files of <= 2 trajectories.
-TWO_TRAJECTORIES = 2 * 3 * T * int(np.prod(LATENT)) * 4
+# Bytes of two trajectories of x, x_next, mean, velocity in fp32: three files of <= 2 trajectories.
+TWO_TRAJECTORIES = 2 * 4 * T * int(np.prod(LATENT)) * 4
 
 
 @pytest.mark.parametrize(
@@ -108,6 +112,20 @@ def test_round_trip_is_bit_exact_for_every_tensor_column(tmp_path, dtype, step_d
     back = read_rollout(tmp_path, 2)
     assert_same_rollout(rollout, back)
     assert back.states.view(BITS[dtype]).view(-1)[0] == SPECIAL_BITS[dtype][0]  # the NaN payload
+
+
+def test_a_cache_without_velocities_reads_back_without_them(tmp_path):
+    """Rounds cached before rollouts kept their velocities stay readable (and rescorable)."""
+    rollout = make_rollout(1)
+    rollout.velocities = None
+    write_rollout(tmp_path, rollout)
+    assert (
+        "velocity"
+        not in pq.read_schema(next(round_dir(tmp_path, STEPS, 1).glob("*.parquet"))).names
+    )
+    back = read_rollout(tmp_path, 1)
+    assert back.velocities is None
+    assert_same_rollout(rollout, back)
 
 
 def test_layout_types_and_metadata(tmp_path):
@@ -251,7 +269,10 @@ def test_same_size_corruption_is_caught_on_read_naming_the_file(tmp_path):
     write_rollout(tmp_path, make_rollout(0), file_bytes=TWO_TRAJECTORIES)
     part = round_dir(tmp_path, STEPS, 0) / "part-00001.parquet"
     data = bytearray(part.read_bytes())
-    for offset in (len(data) // 3, len(data) // 2):  # inside the column data, not the footer
+    chunk = pq.ParquetFile(part).metadata.row_group(0).column(pq.read_schema(part).names.index("x"))
+    # Inside the state column's data (not the footer, whose damage the schema read reports).
+    start = chunk.data_page_offset
+    for offset in (start + 16, start + chunk.total_compressed_size // 2):
         flipped = data.copy()
         flipped[offset] ^= 0x01
         part.write_bytes(bytes(flipped))
