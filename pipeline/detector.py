@@ -21,8 +21,10 @@ from __future__ import annotations
 import atexit
 import functools
 import multiprocessing
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 
 import numpy as np
 import torch
@@ -115,14 +117,27 @@ def detect_batch(
     # Contiguous, as a worker receives it: numpy's sums depend on the memory layout in the
     # last bits, and the detections must not depend on where they were computed.
     array = np.ascontiguousarray(images.detach().cpu().float().numpy().transpose(0, 2, 3, 1))
-    if workers > 1 and len(array) >= PARALLEL_MIN_IMAGES:
+    if workers > 1 and len(array) >= PARALLEL_MIN_IMAGES and workers not in _BROKEN:
         chunks = np.array_split(array, workers)
-        found = _pool(workers).map(functools.partial(_detect_each, **kwargs), chunks)
-        return [detections for chunk in found for detections in chunk]
+        try:
+            found = list(_pool(workers).map(functools.partial(_detect_each, **kwargs), chunks))
+        except BrokenProcessPool:
+            # Spawned workers re-import the main script: one that runs its work at import (no
+            # `if __name__ == "__main__":`) kills them. Detect here instead, and say so once.
+            _BROKEN.add(workers)
+            warnings.warn(
+                "detector worker processes could not start (does the main script lack an "
+                "`if __name__ == '__main__':` guard?); detecting in this process",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        else:
+            return [detections for chunk in found for detections in chunk]
     return _detect_each(array, **kwargs)
 
 
 PARALLEL_MIN_IMAGES = 32  # smaller batches cost less than handing them to the workers
+_BROKEN: set[int] = set()  # worker counts whose pool could not start in this process
 
 
 def _detect_each(array: np.ndarray, **kwargs) -> list[dict[str, list[Detection]]]:

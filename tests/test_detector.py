@@ -143,3 +143,26 @@ def test_detection_on_worker_processes_equals_one_process():
 
     assert plain(parallel) == plain(serial)
     assert sum(len(d) for image in serial for d in image.values()) > len(images)  # not empty
+
+
+def test_workers_that_cannot_start_fall_back_to_this_process(monkeypatch):
+    from concurrent.futures.process import BrokenProcessPool
+
+    import pipeline.detector as detector
+
+    class Broken:
+        def map(self, *args):
+            raise BrokenProcessPool("a worker died at start")
+
+    monkeypatch.setattr(detector, "_pool", lambda workers: Broken())
+    monkeypatch.setattr(detector, "_BROKEN", set())
+    metas, _ = world.make_prompts(24, 0, seed=3)
+    images = world.render_batch(metas * 2, np.random.default_rng(3))
+    with pytest.warns(RuntimeWarning, match="__main__"):
+        found = detect_batch(images, workers=3)
+
+    def boxes(batch):
+        return [{name: [(d.box, d.score) for d in dets] for name, dets in f.items()} for f in batch]
+
+    assert boxes(found) == boxes(detect_batch(images))
+    assert detector._BROKEN == {3}  # not tried again in this process
