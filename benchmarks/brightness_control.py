@@ -7,6 +7,12 @@ Runs (one per method and seed; `reports/search/<method>-s<seed>/rounds.json`), m
     creditflow train --method M --seed S -S "score.rewards={brightness: 1}" -S train.rounds=15 \\
         -S train.eval_every=0 -S update.lr=3e-3 -S update.clip_range=0.05 -S update.kl_beta=0
 
+on the code of the time. Session 7's runs (`reports/search/`) used the estimators of then (stepwise
+T' = 5 substeps, tp_grpo exact completions); session 8's (`reports/search/coarse3/`, same command)
+the cheaper defaults since (3-step completions, the rollout's velocity reused), with flow_grpo's
+runs copied from session 7 (a flow_grpo round uses no estimator; every method's round 0
+reward equals session 7's, the same rollout).
+
 For a seed, the three methods draw the same prompts and initial noise in a given round, so
 per-round differences are paired. The reward of round r is measured on the policy trained for r
 rounds (its rollout comes before its update), i.e. after r × (the method's NFE per round).
@@ -33,6 +39,7 @@ from pipeline.io import write_json, write_text
 from pipeline.report import bootstrap_difference
 
 METHODS = ("flow_grpo", "stepwise", "tp_grpo")
+DEFAULT_RUNS = Path("reports/search")
 LATE = slice(5, 15)  # rounds 5-14: after the first updates have had an effect
 
 
@@ -53,7 +60,7 @@ def claim(a: np.ndarray, b: np.ndarray) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--runs", type=Path, default=Path("reports/search"))
+    parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS)
     parser.add_argument("--seeds", type=int, nargs="+", default=[12, 13, 14, 15])
     parser.add_argument("--out", type=Path, default=Path("reports/brightness_control"))
     args = parser.parse_args()
@@ -61,7 +68,12 @@ def main() -> None:
     budget = (rewards["flow_grpo"].shape[1] - 1) * nfe["flow_grpo"]
     rounds_at_budget = {m: min(int(budget // nfe[m]), rewards[m].shape[1] - 1) for m in METHODS}
     at_budget = {m: rewards[m][:, [rounds_at_budget[m]]] for m in METHODS}
+    command = "python benchmarks/brightness_control.py" + (
+        "" if args.runs == DEFAULT_RUNS else f" --runs {args.runs} --out {args.out}"
+    )
     result = {
+        "command": command,
+        "runs": str(args.runs),
         "seeds": args.seeds,
         "nfe_per_round": nfe,
         "first3_last5": {
@@ -97,8 +109,8 @@ def markdown(result: dict) -> str:
         "# Control reward `brightness`: credit rules per round and at equal NFE",
         "",
         f"Seeds {', '.join(map(str, result['seeds']))}; lr 3e-3, clip 0.05, β 0, 15 rounds × 48"
-        " trajectories (`python benchmarks/brightness_control.py`; the runs' command is in the"
-        " script's docstring). Training reward = mean brightness of the round's 48 images.",
+        f" trajectories (`{result['command']}`, runs in `{result['runs']}/`; their command is in"
+        " the script's docstring). Training reward = mean brightness of the round's 48 images.",
         "",
         "| method | NFE / round | reward, first 3 rounds → last 5 (mean over seeds) |",
         "|---|---|---|",
