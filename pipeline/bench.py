@@ -372,7 +372,6 @@ def time_round(policy, prompts: list[dict], cfg: Config, round_index: int) -> di
             "score": float(estimated.nfe),
             "update": metrics["cost/update_nfe"],
         },
-        "trained_pairs": int(credit.advantages.numel()),
     }
 
 
@@ -406,11 +405,9 @@ def phase_batches(cfg: Config) -> dict[str, int]:
 def phase_efficiency(nfe: dict[str, float], seconds: dict[str, float], raw: dict, kl: bool):
     """Per phase: the bare seconds of its NFEs / its seconds (None for a phase without NFEs).
     With a KL term half of the update's NFEs are the reference's forward passes."""
-    forward = raw["forward_s_per_nfe"]
+    forward, backward = raw["forward_s_per_nfe"], raw["forward_backward_s_per_nfe"]
     kl_share = 0.5 if kl else 0.0
-    update_per_nfe = (1 - kl_share) * raw["forward_backward_s_per_nfe"] + kl_share * forward[
-        "update"
-    ]
+    update_per_nfe = (1 - kl_share) * backward + kl_share * forward["update"]
     ideal = {
         "rollout": nfe["rollout"] * forward["rollout"],
         "score": nfe["score"] * forward["score"],

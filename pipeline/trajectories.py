@@ -472,7 +472,9 @@ def _steps_table(rollout: RoundRollout, rows: range) -> pa.Table:
         + (
             []
             if rollout.velocities is None
-            else [_column_from_tensor("velocity", rollout.velocities[s].reshape(n * t, *latent))]
+            else [
+                _column_from_tensor(VELOCITY_COLUMN, rollout.velocities[s].reshape(n * t, *latent))
+            ]
         ),
     )
 
