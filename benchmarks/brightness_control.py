@@ -19,6 +19,9 @@ rounds (its rollout comes before its update), i.e. after r × (the method's NFE 
 
 - per round: mean over rounds 5-14 of (method − flow_grpo), with a 95 % bootstrap CI over seeds
   and rounds (`pipeline.report.bootstrap_difference`, rounds in place of prompts);
+- joint vs per-step normalization (stepwise; runs `stepwise-s<seed>-per_step/`, the same command
+  with `-S advantages.normalization=per_step`, read when every seed has one): the same per-round
+  difference, joint − per-step; both spend the same NFEs a round, so it is also equal compute;
 - equal NFE: each method's reward after the largest number of rounds that fits in flow_grpo's
   budget of 14 rounds, same bootstrap over seeds (one value per seed).
 
@@ -39,15 +42,28 @@ from pipeline.io import write_json, write_text
 from pipeline.report import bootstrap_difference
 
 METHODS = ("flow_grpo", "stepwise", "tp_grpo")
+PER_STEP = "stepwise_per_step"  # stepwise with -S advantages.normalization=per_step
 DEFAULT_RUNS = Path("reports/search")
+DEFAULT_SEEDS = [12, 13, 14, 15]
 LATE = slice(5, 15)  # rounds 5-14: after the first updates have had an effect
 
 
+def run_dir(root: Path, method: str, seed: int) -> Path:
+    """`<method>-s<seed>`, or `stepwise-s<seed>-per_step` for the per-step normalization."""
+    if method == PER_STEP:
+        return root / f"stepwise-s{seed}-per_step"
+    return root / f"{method}-s{seed}"
+
+
 def load_runs(root: Path, seeds: list[int]) -> dict[str, np.ndarray]:
-    """({method: (S, R) training reward per seed and round}, {method: mean NFE per round})."""
+    """({method: (S, R) training reward per seed and round}, {method: mean NFE per round}); the
+    per-step variant only when every seed has it."""
     rewards, nfe = {}, {}
-    for method in METHODS:
-        rows = [json.loads((root / f"{method}-s{s}" / "rounds.json").read_text()) for s in seeds]
+    for method in (*METHODS, PER_STEP):
+        files = [run_dir(root, method, s) / "rounds.json" for s in seeds]
+        if method == PER_STEP and not all(f.is_file() for f in files):
+            continue
+        rows = [json.loads(f.read_text()) for f in files]
         rewards[method] = np.array([[r["reward/mean"] for r in seed_rows] for seed_rows in rows])
         nfe[method] = float(np.mean([r["cost/round_nfe"] for seed_rows in rows for r in seed_rows]))
     return rewards, nfe
@@ -61,23 +77,25 @@ def claim(a: np.ndarray, b: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[12, 13, 14, 15])
+    parser.add_argument("--seeds", type=int, nargs="+", default=DEFAULT_SEEDS)
     parser.add_argument("--out", type=Path, default=Path("reports/brightness_control"))
     args = parser.parse_args()
     rewards, nfe = load_runs(args.runs, args.seeds)
     budget = (rewards["flow_grpo"].shape[1] - 1) * nfe["flow_grpo"]
-    rounds_at_budget = {m: min(int(budget // nfe[m]), rewards[m].shape[1] - 1) for m in METHODS}
-    at_budget = {m: rewards[m][:, [rounds_at_budget[m]]] for m in METHODS}
+    rounds_at_budget = {m: min(int(budget // nfe[m]), rewards[m].shape[1] - 1) for m in rewards}
+    at_budget = {m: rewards[m][:, [rounds_at_budget[m]]] for m in rewards}
     command = "python benchmarks/brightness_control.py" + (
         "" if args.runs == DEFAULT_RUNS else f" --runs {args.runs} --out {args.out}"
     )
+    if args.seeds != DEFAULT_SEEDS:
+        command += " --seeds " + " ".join(map(str, args.seeds))
     result = {
         "command": command,
         "runs": str(args.runs),
         "seeds": args.seeds,
         "nfe_per_round": nfe,
         "first3_last5": {
-            m: [float(rewards[m][:, :3].mean()), float(rewards[m][:, -5:].mean())] for m in METHODS
+            m: [float(rewards[m][:, :3].mean()), float(rewards[m][:, -5:].mean())] for m in rewards
         },
         "per_round": {
             f"{m}_vs_flow_grpo": claim(rewards[m][:, LATE], rewards["flow_grpo"][:, LATE])
@@ -86,13 +104,16 @@ def main() -> None:
         "equal_nfe": {
             "nfe": budget,
             "rounds": rounds_at_budget,
-            "reward": {m: at_budget[m][:, 0].tolist() for m in METHODS},
+            "reward": {m: at_budget[m][:, 0].tolist() for m in rewards},
             **{
                 f"{m}_vs_flow_grpo": claim(at_budget[m], at_budget["flow_grpo"])
                 for m in METHODS[1:]
             },
         },
     }
+    if PER_STEP in rewards:  # same NFE per round: per round is also equal compute
+        late = (rewards["stepwise"][:, LATE], rewards[PER_STEP][:, LATE])
+        result["per_round"]["joint_vs_per_step"] = claim(*late)
     write_json(args.out.with_suffix(".json"), result)
     write_text(args.out.with_suffix(".md"), markdown(result))
     print(markdown(result))

@@ -96,6 +96,16 @@ def geneval_protocol(
     return images, results, summarize(results)
 
 
+def judged_grid(
+    images: Tensor, results: Sequence[dict], images_per_prompt: int, path: Path, limit: int = 32
+) -> None:
+    """The protocol's first image of each of the first `limit` prompts, captioned with its
+    prompt and ✓/✗ for the GenEval verdict; `images` and `results` as `geneval_protocol`'s."""
+    first = list(range(0, len(results), images_per_prompt))[:limit]
+    captions = [("✓ " if results[i]["correct"] else "✗ ") + results[i]["prompt"] for i in first]
+    sample_grid(images[first], captions, path)
+
+
 def sample_grid(images: Tensor, captions: Sequence[str], path: Path, *, columns: int = 8) -> None:
     """A PNG grid of images with each caption printed under its image."""
     import matplotlib

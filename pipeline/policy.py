@@ -36,6 +36,7 @@ from pipeline.layout import REPORTS
 
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
 INPUTS_FILE = "inputs.json"
+TRACKING_FILE = "tracking.json"  # the MLflow run that a training run's rounds are logged to
 # Config a run's rounds depend on; train.rounds and train.keep_rollouts are left out, so that
 # raising the round count extends a finished run, and so are the settings that only change
 # speed or what is kept for the report, so that tuning them resumes the run.
@@ -283,20 +284,41 @@ def prepare_run(cfg: Config, run: Path) -> None:
     write_json(record, inputs)
 
 
+def continued_tracking_run(cfg: Config, run: Path) -> str | None:
+    """The MLflow run to continue when `run` resumes (the run its rounds so far went to, named
+    in `run/tracking.json`); None when it starts afresh: no finished round, or other inputs
+    (`prepare_run` then moves it aside)."""
+    from pipeline.tracking import continuable_run
+
+    record = Path(run) / INPUTS_FILE
+    if not checkpoints(Path(run) / "checkpoints") or not record.is_file():
+        return None
+    if json.loads(record.read_text()) != run_inputs(cfg):
+        return None
+    return continuable_run(Path(run) / TRACKING_FILE, cfg.root)
+
+
 def write_run_reports(cfg: Config, run: Path) -> dict[str, float]:
     """A training run's DVC outputs from its checkpoints and probes:
     `reports/train/<run>/{rounds,probe,metrics}.json`; returns the summary metrics."""
     probes = read_probes(run)
     history = [
-        {"round": r} | load_round_metrics(path) | probes.get(r + 1, {})
+        {"round": r} | load_round_metrics(path)
         for r, path in checkpoints(run / "checkpoints").items()
     ]
     report = cfg.path(REPORTS / "train" / run.name)
-    write_json(report / "rounds.json", history)
+    write_json(report / "rounds.json", uniform_rows(history))
     write_json(report / "probe.json", probe_curve(history, probes))
     summary = summarize(history)
     write_json(report / "metrics.json", summary)
     return summary
+
+
+def uniform_rows(rows: list[dict]) -> list[dict]:
+    """The keys that every row has (`dvc plots` cannot render a file whose rows differ): a
+    round's accuracy on one tag is there only when every round drew that tag."""
+    common = set.intersection(*(set(row) for row in rows)) if rows else set()
+    return [{k: v for k, v in row.items() if k in common} for row in rows]
 
 
 def probe_curve(history: list[dict], probes: dict[int, dict]) -> list[dict]:

@@ -222,6 +222,32 @@ def t_interval(values: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray
     return mean - half, mean + half
 
 
+def runs_table(evaluations: Sequence[Mapping]) -> tuple[list[str], list[list[str]]]:
+    """The terminal table of `creditflow runs`: (header, rows). A row per evaluated policy
+    (`pipeline.tracking.evaluation_runs`), then one per method with several seeds: the mean
+    over seeds and its 95 % t-interval, per GenEval tag and overall."""
+    keys = sorted({k for e in evaluations for k in e["metrics"]} - {"geneval/overall"})
+    keys = ["geneval/overall", *keys]
+    header = ["run", "seeds", *(k.removeprefix("geneval/") for k in keys)]
+    rows = [[e["policy"], "1", *(_score(e["metrics"].get(k)) for k in keys)] for e in evaluations]
+    methods = sorted({e["method"] for e in evaluations if e["seed"] is not None})
+    for method in methods:
+        seeds = [e for e in evaluations if e["method"] == method and e["seed"] is not None]
+        if len(seeds) < 2:
+            continue
+        cells = []
+        for key in keys:
+            values = np.array([e["metrics"].get(key, np.nan) for e in seeds])
+            low, high = t_interval(values)
+            cells.append(f"{values.mean():.3f} [{low:.3f}, {high:.3f}]")
+        rows.append([f"{method} (mean, 95 % CI)", str(len(seeds)), *cells])
+    return header, rows
+
+
+def _score(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
 def plot_probe_curves(probes: Runs, path: Path) -> None:
     """Held-out probe GenEval (`probe/geneval`, test prompts, evaluation sampler) against rounds,
     cumulative training NFEs and seconds: per method the mean over seeds, shaded its 95 %

@@ -2,25 +2,37 @@
 (`flows.py`) and the `creditflow` command (`cli.py`).
 
 Adding a stage: write `stages/<name>.py` with a task named `<name>` (its docstring's first
-sentence is the command's help), add its name to `STAGES` below (to `PER_ROUND` too if it works
-on one round of a run: `--run`/`--round`), and give it a `dvc.yaml` entry whose deps
-`tests/test_dvc_deps.py` checks. A new params section also goes into `pipeline/config.py` and
-`params.yaml`.
+sentence is the command's help), add it to `STAGES` below with the params that shape it (to
+`PER_ROUND` too if it works on one round of a run: `--run`/`--round`), and give it a `dvc.yaml`
+entry whose deps and params `tests/test_dvc_deps.py` checks. A new params section
+also goes into `pipeline/config.py` and `params.yaml`.
 """
 
-# In pipeline order; `creditflow --help` lists them so.
-STAGES = (
-    "prompts",
-    "base",
-    "refine",
-    "rollout",
-    "score",
-    "advantages",
-    "update",
-    "train",
-    "evaluate",
-    "report",
-    "rescore",
-    "bench",
+# The params that shape a stage's outputs (a section, or one key): its `dvc.yaml` params
+# (checked by tests/test_dvc_deps.py), and the only params its MLflow run logs.
+_ROUND = ("model", "sampling", "rollout", "score", "advantages", "update")
+_TRAIN = (
+    *_ROUND,
+    *("train.rounds", "train.nfe_budget", "train.keep_rollouts", "train.eval_every"),
+    *("train.probe_images", "evaluate.seed", "evaluate.batch_size"),
 )
+# {stage: the params that shape it}, in pipeline order (`creditflow --help` lists them so). A
+# per-round stage run on its own is a piece of `train`.
+STAGES = {
+    "prompts": ("world", "prompts"),
+    "base": ("world", "model", "base"),
+    "refine": ("world", "model", "base"),
+    "rollout": _TRAIN,
+    "score": _TRAIN,
+    "advantages": _TRAIN,
+    "update": _TRAIN,
+    "train": _TRAIN,
+    "evaluate": ("model", "sampling", "evaluate"),
+    "report": (
+        *("train.methods", "train.seeds", "train.rounds", "rollout.prompts_per_round"),
+        *("rollout.group_size", "sampling.num_steps", "model.backend", "score.rewards"),
+    ),
+    "rescore": ("rescore", "score", "advantages", "sampling", "rollout", "model", "update"),
+    "bench": (*_ROUND, "train.methods", "train.seeds"),
+}
 PER_ROUND = ("rollout", "score", "advantages", "update")

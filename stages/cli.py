@@ -65,13 +65,9 @@ def train(
     seed: Annotated[int | None, typer.Option(help="shortcut for -S train.seed=...")] = None,
 ) -> None:
     """Train with GRPO: rounds of rollout -> score -> advantages -> update (resumable)."""
-    from pipeline.layout import run_name
-    from stages.flows import run_stage
-
     extra = [f"train.method={method}"] if method is not None else []
     extra += [f"train.seed={seed}"] if seed is not None else []
-    cfg = _config(params, set_, *extra)
-    run_stage("train", cfg, run_name=f"train/{run_name(cfg.train.method, cfg.train.seed)}")
+    _run("train", params, set_, *extra)
 
 
 def evaluate(
@@ -82,7 +78,7 @@ def evaluate(
     ] = "base",
 ) -> None:
     """GenEval protocol on the test prompts for the base model or a trained policy."""
-    _run("evaluate", params, set_, run_name=f"evaluate/{policy}", policy=policy)
+    _run("evaluate", params, set_, policy=policy)
 
 
 def rescore(
@@ -94,6 +90,37 @@ def rescore(
 ) -> None:
     """Score existing rollouts with another reward mix and compare its credit with the old one."""
     _run("rescore", params, set_, rollouts=rollouts, rewards=rewards, out=out)
+
+
+def runs(
+    params: ParamsFile = DEFAULT_PARAMS,
+    pipeline: Annotated[
+        str | None,
+        typer.Option(help="only this pipeline run (its `creditflow.pipeline` tag in MLflow)"),
+    ] = None,
+) -> None:
+    """Held-out GenEval of every evaluated policy, per tag, from MLflow: a row per run and,
+    per method with several seeds, the mean over seeds with its 95 % CI."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pipeline.report import runs_table
+    from pipeline.tracking import evaluation_runs, tracking_uri
+
+    cfg = _config(params, None)
+    evaluations = evaluation_runs(cfg.root, pipeline)
+    if not evaluations:
+        raise CreditflowError(
+            f"no finished evaluation in {tracking_uri(cfg.root)}"
+            " (run `creditflow evaluate --policy <run>` or `dvc repro` first)"
+        )
+    header, rows = runs_table(evaluations)
+    table = Table(title="held-out GenEval (evaluation protocol, test prompts)")
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
 
 
 def stage_help(name: str) -> str:
@@ -131,6 +158,9 @@ for _name in STAGES:
     _make = round_command if _name in PER_ROUND else plain_command
     _command = SPECIAL.get(_name) or _make(_name)
     app.command(_name, help=_command.__doc__ or stage_help(_name))(_command)
+app.command(  # a view of the tracking store, not a stage
+    "runs", help="Held-out GenEval of every evaluated policy per tag, from MLflow, with CIs."
+)(runs)
 
 
 def main() -> None:

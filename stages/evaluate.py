@@ -2,7 +2,9 @@
 
 `policy` is `base` or a training run name such as `stepwise-s0` (its newest checkpoint).
 Writes `data/eval/<policy>/results.jsonl`, `reports/eval/<policy>/metrics.json` (per-tag and
-overall accuracy: DVC metrics) and `reports/eval/<policy>/samples.png`.
+overall accuracy: DVC metrics) and `reports/eval/<policy>/samples.png`. The scores go to this
+stage's MLflow run (tagged with the policy, method and seed) and, as `eval/geneval/...` at the
+step of its rounds trained, onto the MLflow run of the training run evaluated.
 """
 
 from __future__ import annotations
@@ -14,12 +16,10 @@ from prefect.cache_policies import NO_CACHE
 
 from pipeline import layout
 from pipeline.config import Config, ConfigError
-from pipeline.evaluation import geneval_protocol, sample_grid
+from pipeline.evaluation import geneval_protocol, judged_grid
 from pipeline.io import write_json, write_text
-from pipeline.policy import checkpoints, load_backend, restore
-from pipeline.tracking import log_artifact, log_metrics
-
-GRID_IMAGES = 32
+from pipeline.policy import TRACKING_FILE, checkpoints, load_backend, restore
+from pipeline.tracking import continuable_run, log_artifact, log_metrics, log_run_metrics
 
 
 def policy_backend(cfg: Config, policy: str):
@@ -40,14 +40,17 @@ def evaluate(cfg: Config, policy: str = "base") -> dict[str, float]:
     lines = "".join(json.dumps(row) + "\n" for row in results)
     write_text(cfg.path(layout.EVAL / policy / "results.jsonl"), lines)
     report = cfg.path(layout.REPORTS / "eval" / policy)
-    write_json(report / "metrics.json", summary)
-    # One image per prompt (the first seed), spread over the tags.
-    first = list(range(0, len(results), cfg.evaluate.images_per_prompt))[:GRID_IMAGES]
-    captions = [("✓ " if results[i]["correct"] else "✗ ") + results[i]["prompt"] for i in first]
-    sample_grid(images[first], captions, report / "samples.png")
-    log_metrics(
-        {"geneval/overall": summary["overall"]}
-        | {f"geneval/{tag}": value for tag, value in summary["per_tag"].items()}
-    )
+    # scores only (the image counts are in results.jsonl): DVC's tables stay narrow
+    write_json(report / "metrics.json", {k: summary[k] for k in ("overall", "per_tag")})
+    judged_grid(images, results, cfg.evaluate.images_per_prompt, report / "samples.png")
+    scores = {"geneval/overall": summary["overall"]} | {
+        f"geneval/{tag}": value for tag, value in summary["per_tag"].items()
+    }
+    log_metrics(scores)
     log_artifact(report / "samples.png")
+    if policy != "base":
+        run = cfg.path(layout.TRAIN / policy)
+        if trained := continuable_run(run / TRACKING_FILE, cfg.root):
+            rounds = len(checkpoints(run / "checkpoints"))
+            log_run_metrics(trained, {f"eval/{k}": v for k, v in scores.items()}, step=rounds)
     return summary

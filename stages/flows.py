@@ -40,10 +40,21 @@ def call(task, *args: Any, **kwargs: Any) -> Any:
 
 
 def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any) -> Any:
-    """Run one stage as a flow, inside an MLflow child run of this pipeline run."""
+    """Run one stage as a flow, inside an MLflow child run of this pipeline run (a resumed
+    training run continues its own), named `<stage>/<policy>` when it trains or evaluates one."""
     from pipeline.tracking import stage_run
 
-    with stage_run(cfg, name, run_name):
+    policy = _policy_of(name, cfg, kwargs)
+    if run_name is None and name in ("train", "evaluate"):
+        run_name = f"{name}/{policy}"
+    with stage_run(
+        cfg,
+        name,
+        run_name,
+        sections=STAGES[name],
+        tags=policy_tags(policy) if policy else None,
+        continue_run=_continued_run(cfg) if name == "train" else None,
+    ):
         work = stage_task(name)
         if inline():
             return getattr(work, "fn", work)(cfg, **kwargs)
@@ -60,6 +71,39 @@ def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any
             return work(cfg, **kwargs)
 
         return stage_flow(cfg, kwargs)
+
+
+def _policy_of(name: str, cfg: Config, kwargs: dict[str, Any]) -> str | None:
+    """The policy a stage trains or evaluates: `base` or a training run's name."""
+    from pathlib import Path
+
+    from pipeline.layout import run_name
+
+    if name == "train":
+        return run_name(cfg.train.method, cfg.train.seed)
+    if name == "evaluate":
+        return kwargs.get("policy", "base")
+    if kwargs.get("run") is not None:  # a per-round stage on a training run
+        return Path(kwargs["run"]).name
+    return None
+
+
+def policy_tags(policy: str) -> dict[str, str]:
+    """MLflow tags naming a run's policy and, for a training run `<method>-s<seed>`, its method
+    and seed, so that runs can be grouped and filtered by them."""
+    from pipeline.tracking import METHOD_TAG, POLICY_TAG, SEED_TAG
+
+    method, _, seed = policy.rpartition("-s")
+    if policy == "base" or not seed.isdigit():
+        return {POLICY_TAG: policy, METHOD_TAG: policy}
+    return {POLICY_TAG: policy, METHOD_TAG: method, SEED_TAG: seed}
+
+
+def _continued_run(cfg: Config) -> str | None:
+    from pipeline.layout import train_run
+    from pipeline.policy import continued_tracking_run
+
+    return continued_tracking_run(cfg, train_run(cfg))
 
 
 class _OneLineUserErrors(logging.Filter):
@@ -125,7 +169,10 @@ def train(cfg: Config) -> dict[str, float]:
 
 
 def _train(cfg: Config, run, backend) -> dict[str, float]:
+    from tqdm.auto import tqdm
+
     from pipeline.policy import (
+        TRACKING_FILE,
         checkpoints,
         load_round_metrics,
         phase_totals,
@@ -135,7 +182,7 @@ def _train(cfg: Config, run, backend) -> dict[str, float]:
         restore,
         write_run_reports,
     )
-    from pipeline.tracking import log_metrics
+    from pipeline.tracking import log_metrics, record_run
     from pipeline.trajectories import prune_rollouts
     from stages.advantages import advantages
     from stages.probe import probe
@@ -144,30 +191,56 @@ def _train(cfg: Config, run, backend) -> dict[str, float]:
     from stages.update import update
 
     prepare_run(cfg, run)
+    record_run(run / TRACKING_FILE, cfg.root)
     policy = restore(cfg, run, backend=backend)
     done = checkpoints(run / "checkpoints")
+    log_missing_rounds(run, done)
     start = max(done, default=-1) + 1
     spent = sum(load_round_metrics(path)["cost/round_nfe"] for path in done.values())
+    bar = tqdm(total=cfg.train.rounds, initial=start, desc=f"train {run.name}", unit="round")
     # the base policy, or a resumed checkpoint killed before its probe was written
     if probe_due(cfg, start) and not probe_file(run, start).is_file():
-        call(probe, cfg, run, start, policy.backend)
-    for r in range(start, cfg.train.rounds):
-        if cfg.train.nfe_budget and spent >= cfg.train.nfe_budget:
-            break
-        metrics = call(rollout, cfg, run, r, policy)
-        metrics |= call(score, cfg, run, r, policy)
-        metrics |= call(advantages, cfg, run, r)
-        metrics |= call(update, cfg, run, r, policy, metrics)
-        totals = phase_totals(metrics)
-        log_metrics(metrics | totals, step=r)
-        spent += totals["cost/round_nfe"]
-        prune_rollouts(run, keep=cfg.train.keep_rollouts)
-        if probe_due(cfg, r + 1):
-            call(probe, cfg, run, r + 1, policy.backend)
+        bar.set_postfix(probe=_short(call(probe, cfg, run, start, policy.backend)["probe/geneval"]))
+    with bar:
+        for r in range(start, cfg.train.rounds):
+            if cfg.train.nfe_budget and spent >= cfg.train.nfe_budget:
+                break
+            metrics = call(rollout, cfg, run, r, policy)
+            metrics |= call(score, cfg, run, r, policy)
+            metrics |= call(advantages, cfg, run, r)
+            metrics |= call(update, cfg, run, r, policy, metrics)
+            totals = phase_totals(metrics)
+            log_metrics(metrics | totals, step=r)
+            spent += totals["cost/round_nfe"]
+            prune_rollouts(run, keep=cfg.train.keep_rollouts)
+            shown = {"reward": metrics["reward/mean"], "kl": metrics.get("train/kl")}
+            if probe_due(cfg, r + 1):
+                shown["probe"] = call(probe, cfg, run, r + 1, policy.backend)["probe/geneval"]
+            bar.set_postfix({k: _short(v) for k, v in shown.items()}, refresh=False)
+            bar.update()
     trained = len(checkpoints(run / "checkpoints"))
     if cfg.train.eval_every and not probe_file(run, trained).is_file():  # the final policy
         call(probe, cfg, run, trained, policy.backend)
     return write_run_reports(cfg, run)
+
+
+def _short(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def log_missing_rounds(run, done) -> None:
+    """Log the finished rounds and probes that the MLflow run lacks (a command killed between a
+    round's checkpoint and its log, or a run tracked elsewhere before), at their steps."""
+    from pipeline.policy import load_round_metrics, read_probes
+    from pipeline.tracking import log_metrics, logged_steps
+
+    rounds, probes = logged_steps("reward/mean"), logged_steps("probe/geneval")
+    for r, path in done.items():
+        if r not in rounds:
+            log_metrics(load_round_metrics(path), step=r)
+    for n, metrics in read_probes(run).items():
+        if n not in probes:
+            log_metrics(metrics, step=n)
 
 
 FLOWS = {"train": train}  # stages whose work is a flow of this module, not a task module

@@ -23,7 +23,7 @@ from pipeline.bench import CHALLENGERS, Runs, benchmark, read_probe_runs, read_t
 from pipeline.config import Config, ConfigError
 from pipeline.geneval import TAGS
 from pipeline.io import write_json, write_text
-from pipeline.tracking import log_artifact, log_metrics
+from pipeline.tracking import log_artifact, log_metrics, log_parent_metrics
 from pipeline.trajectories import (
     ESTIMATE_IMAGES,
     TrajectoryCacheError,
@@ -78,6 +78,7 @@ def report(cfg: Config) -> dict[str, float]:
         if row["overall"] is not None
     } | {f"report/final_reward/{m}": s["final_reward"] for m, s in bench["methods"].items()}
     log_metrics(summary)
+    log_parent_metrics(summary)  # the pipeline run carries the experiment's headline numbers
     for path in [readme, *sorted(figures.glob("*.png"))]:
         log_artifact(path)
     return summary

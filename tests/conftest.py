@@ -14,9 +14,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def _offline_inline(monkeypatch, tmp_path):
-    """Tests run stages inline (no Prefect server) and track into a throwaway MLflow db."""
+    """Tests run stages inline (no Prefect server) and track into their scratch project's own
+    MLflow database (a tracking URI or DVC root from the caller's shell must not catch them)."""
     monkeypatch.setenv("CREDITFLOW_ORCHESTRATION", "inline")
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for inherited in ("MLFLOW_TRACKING_URI", "DVC_ROOT", "DVC_EXP_NAME"):
+        monkeypatch.delenv(inherited, raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / ".prefect"))
     if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers on two cores
         monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for subprocesses (DVC, the CLI)

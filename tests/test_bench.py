@@ -12,7 +12,7 @@ import pytest
 from pipeline.bench import benchmark, first_reaching, read_training_runs, running_mean
 from pipeline.config import load_config
 from pipeline.io import write_json
-from stages.bench import bench
+from stages.bench import HEADLINE, bench
 
 # With a 3-round trailing mean these reach 0.6 at rounds 9 (flow_grpo) and 3 (stepwise).
 FLOW = [0.0] * 7 + [0.6] * 5
@@ -131,6 +131,10 @@ def test_bench_stage_writes_json_and_markdown(tiny_project, monkeypatch):
     result = json.loads((tiny_project / "reports/benchmark.json").read_text())
     for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_cost_ratio_runs"):
         assert set(result[key]) == {"stepwise", "tp_grpo"}
+    # the DVC metrics file holds the headline ratios alone, the same numbers
+    headline = json.loads((tiny_project / "reports/bench_metrics.json").read_text())
+    assert set(headline) == {*HEADLINE, "rollout_efficiency"}
+    assert headline["round_cost_ratio"] == result["round_cost_ratio"]
     assert result["rounds_ratio"]["stepwise"] == pytest.approx(1 / 3)
     assert result["rounds_ratio"]["tp_grpo"] is None
     # Round costs: the training runs' ratios are kept; the verdict's come from rounds timed

@@ -87,7 +87,26 @@ def test_stage_deps_list_every_imported_project_module(stage):
     assert not extra, f"dvc.yaml stage {stage!r} lists deps it does not import: {', '.join(extra)}"
 
 
+@pytest.mark.parametrize("stage", sorted(stage_entries()))
+def test_stage_params_are_the_ones_its_mlflow_run_logs(stage):
+    """dvc.yaml's params of a stage and `stages.STAGES` (what its MLflow run logs) agree."""
+    from stages import STAGES
+
+    declared = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][stage]["params"]
+    command = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][stage]["cmd"].split()[1]
+    assert sorted(declared) == sorted(STAGES[command])
+
+
 def test_closure_follows_function_local_imports(tmp_path):
     # stages/evaluate.py imports the detector only inside pipeline/evaluation.py's `judge`
     closure = project_closure(REPO / "stages" / "evaluate.py")
     assert {"pipeline/evaluation.py", "pipeline/detector.py", "pipeline/geneval.py"} <= closure
+
+
+def test_the_all_runs_plots_overlay_every_training_run_of_the_params():
+    params = yaml.safe_load((REPO / "params.yaml").read_text())["train"]
+    runs = {f"{m}-s{s}" for m in params["methods"] for s in params["seeds"]}
+    for plot in yaml.safe_load((REPO / "dvc.yaml").read_text())["plots"]:
+        ((name, spec),) = plot.items()
+        files = {Path(f).parent.name for f in spec["y"]}
+        assert files == runs, f"dvc.yaml plot {name!r}: runs {sorted(files ^ runs)} differ"

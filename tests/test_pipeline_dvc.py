@@ -154,6 +154,7 @@ def test_repro_produces_every_report_without_errors(reproduced):
         "reports/README.md",
         "reports/benchmark.md",
         "reports/benchmark.json",
+        "reports/bench_metrics.json",
     ] + [
         f"reports/{kind}/{method}-s0/{file}"
         for method in ("flow_grpo", "stepwise", "tp_grpo")
@@ -182,6 +183,30 @@ def test_dvc_metrics_show_lists_per_tag_scores(reproduced):
     root, env, _ = reproduced
     shown = run(["dvc", "metrics", "show", "--json"], root, env).stdout
     assert "per_tag" in shown and "overall" in shown
+    # the README's per-area table: a row per policy, its overall and six tag scores, no counts
+    own = [f"reports/eval/{p}/metrics.json" for p in ("base", "flow_grpo-s0", "tp_grpo-s0")]
+    table = run(["dvc", "metrics", "show", *own, "--precision", "3"], root, env).stdout
+    assert len(table.splitlines()[0].split()) == 1 + 7, table
+    headline = json.loads((root / "reports/bench_metrics.json").read_text())
+    assert len(json.dumps(headline)) < 600  # the bench's details stay out of the metrics
+
+
+def test_dvc_plots_show_renders_every_training_curve(reproduced):
+    """Per run (rounds.json, probe.json) and the all-runs overlays; the overlays name the
+    default seeds 0 and 1, and the smoke params train seed 0 only."""
+    root, env, _ = reproduced
+    for stale in root.glob("reports/train/*-s1"):  # the repo's committed seed-1 curves
+        shutil.rmtree(stale)  # (tests/test_reports_committed.py checks those on their own)
+    shown = json.loads(run(["dvc", "plots", "show", "--json"], root, env).stdout)
+    curves = {k: v for k, v in shown["data"].items() if k.endswith(("rounds.json", "probe.json"))}
+    curves |= {k: v for k, v in shown["data"].items() if k.endswith("all runs")}
+    present = {k: v for k, v in curves.items() if "-s1/" not in k}
+    assert len(present) == 3 * 2 + 2  # three methods' two curves, two overlays
+    for name, plots in present.items():
+        values = [row for plot in plots for row in plot["content"]["data"]["values"]]
+        assert values, f"{name}: no data"
+    errors = [e for e in shown.get("errors", []) if "-s1/" not in e.get("source", e["name"])]
+    assert not errors, errors
 
 
 def test_mlflow_holds_parent_and_child_runs(reproduced):

@@ -186,6 +186,8 @@ def test_report_stage_writes_readme_and_figures(project):
     (run,) = client.search_runs([experiment], filter_string=f"tags.`{STAGE_TAG}` = 'report'")
     assert run.data.metrics["report/geneval_overall/flow_grpo"] == pytest.approx(0.6)
     assert run.data.metrics["report/final_reward/stepwise"] == pytest.approx(0.6)
+    parent = client.get_run(run.data.tags["mlflow.parentRunId"])  # the pipeline run holds them too
+    assert parent.data.metrics["report/geneval_overall/flow_grpo"] == pytest.approx(0.6)
     logged = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert logged == {"README.md", *FIGURES}
 
@@ -284,3 +286,28 @@ def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
     assert (tiny_project / "reports/benchmark.md").is_file()
     assert result["methods"]["stepwise"]["rounds"] == 2
     assert np.isfinite(result["rollout_efficiency"])
+
+
+def test_runs_table_lists_each_run_and_each_methods_mean_with_its_t_interval():
+    def evaluation(policy, method, seed, overall, counting=None):
+        metrics = {"geneval/overall": overall} | (
+            {"geneval/counting": counting} if counting is not None else {}
+        )
+        return {"policy": policy, "method": method, "seed": seed, "metrics": metrics}
+
+    header, rows = rep.runs_table(
+        [
+            evaluation("base", "base", None, 0.3, 0.1),
+            evaluation("flow_grpo-s0", "flow_grpo", 0, 0.4, 0.2),
+            evaluation("flow_grpo-s1", "flow_grpo", 1, 0.5, 0.2),
+            evaluation("flow_grpo-s2", "flow_grpo", 2, 0.6, 0.2),
+            evaluation("tp_grpo-s0", "tp_grpo", 0, 0.7),  # one seed: no CI row
+        ]
+    )
+    assert header == ["run", "seeds", "overall", "counting"]
+    assert rows[0] == ["base", "1", "0.300", "0.100"]
+    assert rows[4] == ["tp_grpo-s0", "1", "0.700", "—"]
+    # mean 0.5, s = 0.1, t(0.975, 2) = 4.303: half-width 4.303 * 0.1 / sqrt(3) = 0.248
+    assert rows[5] == ["flow_grpo (mean, 95 % CI)", "3", "0.500 [0.252, 0.748]",
+                       "0.200 [0.200, 0.200]"]  # fmt: skip
+    assert len(rows) == 6

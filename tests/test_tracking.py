@@ -1,11 +1,32 @@
-"""MLflow layout: every stage is a child of one parent run per pipeline run."""
+"""MLflow layout: every stage is a child of one parent run per pipeline run; runs carry the
+params that shape them and their policy; a resumed training run continues its own run."""
 
 from __future__ import annotations
 
+import shutil
+
 import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
 
 from pipeline.config import load_config
-from pipeline.tracking import PARENT_TAG, log_metrics, stage_run
+from pipeline.tracking import (
+    COMMIT_TAG,
+    EXPERIMENT,
+    EXPERIMENT_TAG,
+    METHOD_TAG,
+    PARAMS_TAG,
+    PARENT_TAG,
+    POLICY_TAG,
+    SEED_TAG,
+    log_metrics,
+    params_digest,
+    stage_params,
+    stage_run,
+    tracking_uri,
+)
+from stages import STAGES
+from stages.flows import run_stage
 
 
 def test_stages_of_one_params_file_share_one_parent(project, monkeypatch, tmp_path):
@@ -61,3 +82,113 @@ def test_three_concurrent_first_uses_of_a_fresh_project_all_succeed(project):
     runs = client.search_runs([client.get_experiment_by_name("creditflow").experiment_id])
     assert sorted(r.info.run_name for r in runs if PARENT_TAG not in r.data.tags) == ["prompts"] * 3
     assert sum(PARENT_TAG in r.data.tags for r in runs) == 1  # one parent, not three
+
+
+def _client_runs(uri: str) -> list:
+    client = MlflowClient(uri)
+    return client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+
+
+def test_a_user_set_tracking_uri_receives_the_runs(project, monkeypatch, tmp_path):
+    elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
+    with stage_run(load_config(project / "params.yaml"), "prompts"):
+        log_metrics({"prompts/train": 3.0})
+    (child,) = [r for r in _client_runs(elsewhere) if PARENT_TAG not in r.data.tags]
+    assert child.data.metrics == {"prompts/train": 3.0}
+    assert not (project / "mlflow.db").exists()  # the project's default store is left alone
+
+
+def test_a_temporary_dvc_experiment_tracks_into_the_project_under_its_name(
+    project, monkeypatch, tmp_path
+):
+    """`dvc exp run --temp/--queue` runs the stages in a copy that it deletes afterwards, with
+    DVC_ROOT naming the project and DVC_EXP_NAME the experiment."""
+    copy = tmp_path / "exp-copy"
+    copy.mkdir()
+    shutil.copy(project / "params.yaml", copy / "params.yaml")
+    monkeypatch.setenv("DVC_ROOT", str(project))
+    monkeypatch.setenv("DVC_EXP_NAME", "wide-lr")
+    cfg = load_config(copy / "params.yaml")
+    with stage_run(cfg, "prompts"):
+        pass
+    assert not (copy / "mlflow.db").exists()
+    runs = _client_runs(f"sqlite:///{project / 'mlflow.db'}")
+    (parent,) = [r for r in runs if PARENT_TAG in r.data.tags]
+    assert parent.info.run_name == "wide-lr"
+    assert parent.data.tags[EXPERIMENT_TAG] == "wide-lr"
+    assert parent.data.tags[PARAMS_TAG] == params_digest(cfg) != ""
+    assert COMMIT_TAG in parent.data.tags
+
+
+def test_training_and_evaluation_runs_log_their_params_tags_and_scores(tiny_project):
+    """A training run logs only the params that shape it (its dvc.yaml params) and is tagged
+    with its policy, method and seed; evaluating it tags the evaluation alike and puts the
+    scores onto the training run too, at the step of its rounds trained."""
+    params = tiny_project / "params.yaml"
+    cfg = load_config(params, ["train.method=tp_grpo", "train.seed=3", "train.rounds=1"])
+    run_stage("train", cfg)
+    summary = run_stage("evaluate", load_config(params), policy="tp_grpo-s3")
+    runs = {r.info.run_name: r for r in _client_runs(tracking_uri(tiny_project))}
+    trained, evaluated = runs["train/tp_grpo-s3"], runs["evaluate/tp_grpo-s3"]
+    assert set(trained.data.params) == set(stage_params(cfg, STAGES["train"]))
+    assert "update.lr" in trained.data.params and "world.image_size" not in trained.data.params
+    assert not any(k.startswith("prompts.") for k in evaluated.data.params)
+    for run in (trained, evaluated):
+        tags = run.data.tags
+        assert (tags[POLICY_TAG], tags[METHOD_TAG], tags[SEED_TAG]) == (
+            "tp_grpo-s3",
+            "tp_grpo",
+            "3",
+        )
+    assert evaluated.data.metrics["geneval/overall"] == pytest.approx(summary["overall"])
+    assert trained.data.metrics["eval/geneval/overall"] == pytest.approx(summary["overall"])
+    history = MlflowClient(tracking_uri(tiny_project)).get_metric_history(
+        trained.info.run_id, "eval/geneval/overall"
+    )
+    assert [m.step for m in history] == [1]
+    # and `creditflow runs` shows it from the tracking store
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    shown = CliRunner().invoke(app, ["runs", "--params", str(params)], terminal_width=200)
+    assert shown.exit_code == 0, shown.output
+    assert "tp_grpo-s3" in shown.output and f"{summary['overall']:.3f}" in shown.output
+
+
+def test_a_killed_and_resumed_training_run_is_one_finished_mlflow_run(tiny_project):
+    """kill -9 mid-run, as the OOM killer does, then the rerun: the resumed rounds go to the
+    killed attempt's MLflow run, which ends FINISHED with every round's metrics."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pipeline.layout import train_run
+    from pipeline.policy import checkpoints
+
+    params = tiny_project / "params.yaml"
+    run = train_run(load_config(params))
+    command = [sys.executable, "-m", "stages.cli", "train", "--params", str(params),
+               "-S", "train.rounds=60"]  # fmt: skip
+    child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (run / "checkpoints" / "round-0001").exists():
+        assert child.poll() is None, child.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    done = len(checkpoints(run / "checkpoints"))
+    assert 2 <= done < 60
+    uri = tracking_uri(tiny_project)
+    (killed,) = [r for r in _client_runs(uri) if r.info.run_name == "train/flow_grpo-s0"]
+    assert killed.info.status == "RUNNING"  # nobody could close it
+
+    run_stage("train", load_config(params, [f"train.rounds={done + 2}"]))
+    (resumed,) = [r for r in _client_runs(uri) if r.info.run_name == "train/flow_grpo-s0"]
+    assert resumed.info.run_id == killed.info.run_id
+    assert resumed.info.status == "FINISHED"
+    history = MlflowClient(uri).get_metric_history(resumed.info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == list(range(done + 2))

@@ -274,9 +274,9 @@ def test_probe_curve_is_held_out_and_leaves_training_unchanged(tiny_project):
             f"probe/{tag}" for tag in TAGS
         }
         assert 0 <= row["probe/geneval"] <= 1
-    # round r's row carries the probe of the policy it produced
-    assert "probe/geneval" not in rounds[0]
-    assert rounds[1]["probe/geneval"] == probe[1]["probe/geneval"]
+    # rounds.json: the rounds' own metrics in uniform rows; the probe has a file of its own
+    assert all(set(row) == set(rounds[0]) for row in rounds)
+    assert not any("probe/geneval" in row for row in rounds)
     probed = _lora(run)
 
     shutil.rmtree(run)
@@ -296,10 +296,16 @@ def test_probe_missing_after_a_kill_is_taken_on_resume(tiny_project):
     last.unlink()  # killed between round 1's checkpoint and its probe
     train(tiny_project, ["train.rounds=2", "train.eval_every=1"])
     assert json.loads(last.read_text()) == written
-    assert sorted(p.name for p in (run / "probe").iterdir()) == [
+    assert sorted(p.name for p in (run / "probe").glob("*.json")) == [
         "rounds=0000.json",
         "rounds=0001.json",
         "rounds=0002.json",
+    ]
+    # each probe leaves its judged sample grid next to its scores
+    assert sorted(p.stem for p in (run / "probe").glob("*.png")) == [
+        "rounds=0000",
+        "rounds=0001",
+        "rounds=0002",
     ]
 
 
@@ -313,7 +319,7 @@ def test_nfe_budget_stops_the_run_and_probes_its_final_policy(tiny_project):
     budget = [f"train.nfe_budget={1.5 * per_round}", "train.rounds=9", "train.eval_every=5"]
     cfg, summary = train(tiny_project, budget)
     assert summary["rounds"] == 2 and summary["nfe_total"] == 2 * per_round
-    assert sorted(p.name for p in (train_run(cfg) / "probe").iterdir()) == [
+    assert sorted(p.name for p in (train_run(cfg) / "probe").glob("*.json")) == [
         "rounds=0000.json",
         "rounds=0002.json",  # the final policy, though 2 is no multiple of eval_every
     ]
