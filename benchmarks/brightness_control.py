@@ -99,7 +99,8 @@ def main() -> None:
         },
         "per_round": {
             f"{m}_vs_flow_grpo": claim(rewards[m][:, LATE], rewards["flow_grpo"][:, LATE])
-            for m in METHODS[1:]
+            for m in rewards
+            if m != "flow_grpo"
         },
         "equal_nfe": {
             "nfe": budget,
@@ -107,7 +108,8 @@ def main() -> None:
             "reward": {m: at_budget[m][:, 0].tolist() for m in rewards},
             **{
                 f"{m}_vs_flow_grpo": claim(at_budget[m], at_budget["flow_grpo"])
-                for m in METHODS[1:]
+                for m in rewards
+                if m != "flow_grpo"
             },
         },
     }
