@@ -206,7 +206,7 @@ class ScoreParams(Section):
     detector_path: Path = Path("data/rewards/owlv2")  # geneval_real*: OWLv2 detector + processor
     color_clip_path: Path = Path("data/rewards/clip")  # geneval_real*: CLIP for colour zero-shot
     reward_batch_size: PositiveInt = 16  # images per real-image reward model call
-    reward_workers: PositiveInt = 2  # processes for ShapesWorld's detector (geneval rewards)
+    reward_workers: PositiveInt = 1  # processes for ShapesWorld's detector (1: in-process)
     detector_nms_iou: Annotated[float, Field(gt=0, le=1)] = 1.0  # same-class IoU cap; 1 = off
 
     @field_validator("rewards")

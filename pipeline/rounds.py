@@ -14,6 +14,7 @@ import hashlib
 import math
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -331,45 +332,59 @@ def score_round(
             )
 
     all_traj = torch.arange(n)
-    final = rewards(rollout.images, metadata)
-    add(final, all_traj, torch.full((n,), rollout.num_steps), "final")
-    reward_calls += n
-    start = time.perf_counter()
-    for estimator in estimators:
-        traj = all_traj.repeat_interleave(boundary.numel())  # (N*K,) trajectory-major
-        state = boundary.repeat(n)
-        x0 = clean_estimates(
-            backend,
-            rollout,
-            traj,
-            state,
-            estimator=estimator,
-            substeps=cfg.score.ode_substeps,
-            completion_steps=cfg.score.completion_steps,
-            counter=counter,
-            batch_size=cfg.score.batch_size,
-        )
-        with torch.no_grad():
-            images = torch.cat(
-                [backend.decode(chunk) for chunk in x0.split(cfg.score.batch_size)]
-            )  # (N*K, 3, H, W)
-        values = rewards(images, [metadata[i] for i in traj.tolist()])
-        add(values, traj, state, estimator)
-        reward_calls += traj.numel()
-        picked = most_nonmonotonic(
-            values["mix"].view(n, boundary.numel()), final["mix"], cfg.score.estimate_images
-        )
-        shown = torch.isin(traj, picked)
-        keep_images.append(images[shown])
-        keep_keys.append(
-            pd.DataFrame(
-                {
-                    "trajectory": traj[shown].numpy(),
-                    "step": state[shown].numpy(),
-                    "estimator": estimator,
-                }
+    traj = all_traj.repeat_interleave(boundary.numel())  # (N*K,) trajectory-major
+    state = boundary.repeat(n)
+    batch = cfg.score.batch_size
+    batches = list(zip(traj.split(batch), state.split(batch), strict=True))
+    # Rewards are scored on a second thread, batch by batch, while the network computes the next
+    # batch's estimates: ShapesWorld's detector runs in worker processes, so its cost hides
+    # behind the model calls instead of adding to them. Same batches, same values.
+    with ThreadPoolExecutor(1, thread_name_prefix="rewards") as rewarding:
+        final_job = rewarding.submit(rewards, rollout.images, metadata)
+        start = time.perf_counter()
+        estimated = {}  # estimator -> (its decoded images per batch, their reward jobs)
+        for estimator in estimators:
+            estimated[estimator] = [], []
+            for traj_b, state_b in batches:
+                x0 = clean_estimates(
+                    backend,
+                    rollout,
+                    traj_b,
+                    state_b,
+                    estimator=estimator,
+                    substeps=cfg.score.ode_substeps,
+                    completion_steps=cfg.score.completion_steps,
+                    counter=counter,
+                    batch_size=cfg.score.batch_size,
+                )
+                with torch.no_grad():
+                    image_b = backend.decode(x0)  # (b, 3, H, W)
+                estimated[estimator][0].append(image_b)
+                estimated[estimator][1].append(
+                    rewarding.submit(rewards, image_b, [metadata[i] for i in traj_b.tolist()])
+                )
+        final = final_job.result()
+        add(final, all_traj, torch.full((n,), rollout.num_steps), "final")
+        reward_calls += n
+        for estimator, (batch_images, jobs) in estimated.items():
+            values = {name: torch.cat([job.result()[name] for job in jobs]) for name in final}
+            images = torch.cat(batch_images)  # (N*K, 3, H, W)
+            add(values, traj, state, estimator)
+            reward_calls += traj.numel()
+            picked = most_nonmonotonic(
+                values["mix"].view(n, boundary.numel()), final["mix"], cfg.score.estimate_images
             )
-        )
+            shown = torch.isin(traj, picked)
+            keep_images.append(images[shown])
+            keep_keys.append(
+                pd.DataFrame(
+                    {
+                        "trajectory": traj[shown].numpy(),
+                        "step": state[shown].numpy(),
+                        "estimator": estimator,
+                    }
+                )
+            )
     table = pd.concat(frames, ignore_index=True)
     if keep_images:
         estimate_images, keys = torch.cat(keep_images), pd.concat(keep_keys, ignore_index=True)

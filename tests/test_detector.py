@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import world
+from pipeline import detector, world
 from pipeline.detector import detect, detect_batch
 from pipeline.geneval import evaluate
 
@@ -166,3 +166,18 @@ def test_workers_that_cannot_start_fall_back_to_this_process(monkeypatch):
 
     assert boxes(found) == boxes(detect_batch(images))
     assert detector._BROKEN == {3}  # not tried again in this process
+
+
+@pytest.mark.parametrize("sigma", detector.BLUR_SIGMAS)
+@pytest.mark.parametrize("shape", [(3, 20, 7), (2, 1, 14), (1, 30, 30)])
+def test_template_blur_as_matrices_equals_scipy_gaussian_filter(sigma, shape):
+    """The detector blurs its templates by two matmuls with `_blur_matrix`: the same values as
+    scipy's zero-padded Gaussian filter, kernel wider than the image included."""
+    from scipy import ndimage
+
+    stack = np.random.default_rng(0).random(shape)  # (R, h, w)
+    blurred = (
+        detector._blur_matrix(sigma, shape[1]) @ stack @ detector._blur_matrix(sigma, shape[2]).T
+    )
+    expected = ndimage.gaussian_filter(stack, (0, sigma, sigma), mode="constant")
+    np.testing.assert_allclose(blurred, expected, rtol=0, atol=1e-12)

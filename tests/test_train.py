@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -417,3 +418,60 @@ def test_estimates_from_the_rollouts_velocities_equal_recomputed_ones(
         recomputed[["trajectory", "step", "estimator", "reward"]]
     )
     assert (reused.value - recomputed.value).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("method", ["stepwise", "tp_grpo"])
+def test_rewards_scored_batch_by_batch_beside_the_network_equal_one_call(tiny_project, method):
+    """`score_round` rewards each batch of estimates on a second thread while the next batch is
+    computed: the table equals rewarding every estimate in one call after all of them, and a
+    reward that fails stops the round with its own error."""
+    from pipeline import rounds
+    from pipeline.layout import load_prompts, trajectory_metadata
+    from pipeline.policy import load_backend
+    from pipeline.rewards import RewardMix
+
+    cfg = load_config(
+        tiny_project / "params.yaml", [f"train.method={method}", "score.batch_size=5"]
+    )  # several batches, the last one short
+    backend, prompts = load_backend(cfg), load_prompts(cfg, "train")
+    schedule = rounds.Schedule.from_config(cfg)
+    rollout = rounds.rollout_round(
+        backend, prompts, [0, 1], schedule, cfg, method=method, seed=0, round_index=0,
+        run_id="r", model_version="base",
+        counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
+    )  # fmt: skip
+    metadata, mix = trajectory_metadata(cfg, rollout.prompts), RewardMix(cfg, cfg.score.rewards)
+    (estimator,) = rounds.estimators_for(method, cfg)
+
+    def scored(rewards):
+        return rounds.score_round(
+            backend, rollout, metadata, rewards, cfg, estimators=(estimator,),
+            schedule=schedule, counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
+        ).table  # fmt: skip
+
+    table = scored(mix)
+    boundary = schedule.boundary_states[:-1]
+    traj = torch.arange(rollout.num_trajectories).repeat_interleave(boundary.numel())
+    state = boundary.repeat(rollout.num_trajectories)
+    assert traj.numel() % 5 and traj.numel() > 10
+    x0 = rounds.clean_estimates(
+        backend, rollout, traj, state, estimator=estimator, substeps=cfg.score.ode_substeps,
+        completion_steps=cfg.score.completion_steps,
+        counter=rounds.CountingVelocity(backend, cfg.sampling.guidance), batch_size=traj.numel(),
+    )  # fmt: skip
+    with torch.no_grad():
+        at_once = mix(backend.decode(x0), [metadata[i] for i in traj.tolist()])
+    for name, values in at_once.items():
+        rows = table[(table.estimator == estimator) & (table.reward == name)]
+        assert rows.trajectory.tolist() == traj.tolist() and rows.step.tolist() == state.tolist()
+        np.testing.assert_allclose(rows.value.to_numpy(), values.double().numpy(), atol=1e-6)
+    final = table[(table.estimator == "final") & (table.reward == "mix")]
+    assert final.trajectory.tolist() == list(range(rollout.num_trajectories))
+
+    def failing(images, batch_metadata):
+        if len(images) < rollout.num_trajectories:  # an estimate batch, not the final images
+            raise RuntimeError("reward model fell over")
+        return mix(images, batch_metadata)
+
+    with pytest.raises(RuntimeError, match="reward model fell over"):
+        scored(failing)
