@@ -12,6 +12,7 @@ network with its LoRA adapters disabled (peft), so no second copy of the weights
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pipeline.distributed import SINGLE, Ranks, all_reduce, sum_gradients
 from pipeline.sampling import sde_step
 
 
@@ -102,6 +104,8 @@ class UpdateBatch:
     sigmas: (T+1,). steps: (K,) long, schedule indices of the trained (SDE-window) steps.
     advantages: (N, K). embeds: per-trajectory prompt embeddings (N rows).
     step_weights: (K,) per-step loss weights (ones by default; a hook for variants).
+    A rank of a multi-process round holds a shard: its N trajectories are rows
+    `first_trajectory` .. `first_trajectory` + N − 1 of the round's `round_trajectories`.
     """
 
     states: Tensor
@@ -111,13 +115,22 @@ class UpdateBatch:
     advantages: Tensor
     embeds: object
     step_weights: Tensor | None = None
+    first_trajectory: int = 0
+    round_trajectories: int | None = None  # None: the batch is the whole round
 
     def pairs(self) -> tuple[Tensor, Tensor]:
-        """(trajectory, window column) index of every trained pair, each (N*K,)."""
+        """(trajectory, window column) index of every pair this batch holds, each (N*K,)."""
+        return _pairs(*self.advantages.shape)
+
+    def round_pairs(self) -> tuple[Tensor, Tensor]:
+        """(round trajectory, window column) of every pair of the round, each (N_round*K,):
+        the order the minibatches are drawn from, the same on every rank."""
         n, k = self.advantages.shape
-        traj = torch.arange(n).repeat_interleave(k)
-        col = torch.arange(k).repeat(n)
-        return traj, col
+        return _pairs(self.round_trajectories or n, k)
+
+
+def _pairs(n: int, k: int) -> tuple[Tensor, Tensor]:
+    return torch.arange(n).repeat_interleave(k), torch.arange(k).repeat(n)
 
 
 @dataclass(frozen=True)
@@ -198,47 +211,46 @@ def grpo_update(
     settings: UpdateSettings,
     *,
     generator: torch.Generator,
+    ranks: Ranks = SINGLE,
 ) -> dict[str, float]:
     """Inner epochs of shuffled minibatches over all (trajectory, step) pairs; returns metrics.
 
     `train/ratio_dev_first` is max |r − 1| over the first minibatch, before any optimizer step:
     it must be ~0 (on-policy), a check that rollout and update compute the same log-probs.
+
+    Over several ranks (`batch` then holds this rank's shard of the round) the minibatches are
+    drawn from the whole round as one process draws them; each rank computes the terms of the
+    minibatch's pairs it holds, divided by the minibatch's size, and the gradients are summed
+    over the ranks before the step: every rank takes the step one process would.
     """
     params = lora_parameters(backend.transformer)
     reference = reference_means(backend, batch, settings) if settings.kl_beta > 0 else None
-    traj_all, col_all = batch.pairs()
-    n_pairs = traj_all.numel()
+    traj_all, col_all = batch.round_pairs()
+    held = batch.advantages.shape[0]
     sums: dict[str, float] = {}
     count = 0
     ratio_min, ratio_max, first_dev = float("inf"), float("-inf"), None
     for _ in range(settings.inner_epochs):
-        order = torch.randperm(n_pairs, generator=generator)
-        for start in range(0, n_pairs, settings.minibatch_size):
+        order = torch.randperm(traj_all.numel(), generator=generator)
+        for start in range(0, traj_all.numel(), settings.minibatch_size):
             idx = order[start : start + settings.minibatch_size]
-            log_prob, old, adv, weights, kl = pair_terms(
-                backend, batch, traj_all[idx], col_all[idx], settings, reference
-            )
-            pg, stats = ppo_clip_loss(log_prob, old, adv, clip_range=settings.clip_range)
-            loss = (weights * (pg + settings.kl_beta * kl)).mean()
+            traj = traj_all[idx] - batch.first_trajectory
+            mine = (traj >= 0) & (traj < held)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            parts, extremes = _held_pairs_step(
+                backend, batch, traj[mine], col_all[idx][mine], settings, reference, idx.numel()
+            )
+            sum_gradients(params, ranks)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
             optimizer.step()
 
-            ratio = stats["ratio"]
+            dev, neg_min, top = all_reduce(extremes, ranks, "max").tolist()
             if first_dev is None:
-                first_dev = float((ratio - 1.0).abs().max())
-            ratio_min = min(ratio_min, float(ratio.min()))
-            ratio_max = max(ratio_max, float(ratio.max()))
-            for key, value in {
-                "train/loss": loss.detach(),
-                "train/policy_loss": (weights * pg).mean().detach(),
-                "train/kl": kl.detach().mean(),
-                "train/clipfrac": stats["clipped"].float().mean(),
-                "train/approx_kl": stats["approx_kl"].mean(),
-                "train/grad_norm": grad_norm,
-            }.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
+                first_dev = dev
+            ratio_min, ratio_max = min(ratio_min, -neg_min), max(ratio_max, top)
+            totals = all_reduce(parts, ranks).tolist() + [float(grad_norm)]
+            for key, value in zip(_SUMMED, totals, strict=True):
+                sums[key] = sums.get(key, 0.0) + value
             count += 1
     metrics = {key: total / count for key, total in sums.items()}
     metrics |= {
@@ -248,3 +260,38 @@ def grpo_update(
         "train/optimizer_steps": float(count),
     }
     return metrics
+
+
+def _held_pairs_step(backend, batch, traj, col, settings, reference, size: int):
+    """Backward of the clipped loss of the held pairs (traj, col), each (M,) — summed and divided
+    by the minibatch's `size`, so that the ranks' parts add up to the minibatch mean (bit for bit
+    in one process). Returns the parts of the `_SUMMED` means but the gradient norm (5,) and
+    max |r − 1|, −min r and max r over the held pairs (3,) (0, −inf, −inf when M = 0)."""
+    if traj.numel() == 0:
+        return torch.zeros(5), torch.tensor([0.0, -math.inf, -math.inf])
+    log_prob, old, adv, weights, kl = pair_terms(backend, batch, traj, col, settings, reference)
+    pg, stats = ppo_clip_loss(log_prob, old, adv, clip_range=settings.clip_range)
+    loss = (weights * (pg + settings.kl_beta * kl)).sum() / size
+    loss.backward()
+    ratio = stats["ratio"]
+    parts = torch.stack(
+        [
+            loss.detach(),
+            (weights * pg).sum().detach() / size,
+            kl.detach().sum() / size,
+            stats["clipped"].float().sum() / size,
+            stats["approx_kl"].sum() / size,
+        ]
+    )
+    return parts, torch.stack([(ratio - 1.0).abs().max(), -ratio.min(), ratio.max()])
+
+
+# per-minibatch values averaged over the update's minibatches, in the order grpo_update sums them
+_SUMMED = (
+    "train/loss",
+    "train/policy_loss",
+    "train/kl",
+    "train/clipfrac",
+    "train/approx_kl",
+    "train/grad_norm",
+)

@@ -252,13 +252,17 @@ def sample(
     generator: torch.Generator | None = None,
     keep_states: bool = True,
     keep_velocities: bool = False,
+    noise_rows: tuple[int, slice] | None = None,
 ) -> Rollout:
     """Roll out B trajectories from x_T (B, ...) over ``sigmas`` (T+1,).
 
     Steps where ``window`` (T,) is True use ``kind``; the others are ``ode``. Noise is drawn for
     the whole batch per stochastic step from ``generator`` (on x_T's device), so a seeded rollout
-    is reproducible for the same batch composition. The loop keeps everything on x_T's device:
-    the schedule and window are read to host once, buffers are preallocated, no per-step sync.
+    is reproducible for the same batch composition. ``noise_rows`` (B_all, rows) makes x_T rows
+    ``rows`` of a B_all-row batch (a rank's shard of a round): each step draws the whole batch's
+    noise and keeps those rows, so the shards sample what one process would. The loop keeps
+    everything on x_T's device: the schedule and window are read to host once, buffers are
+    preallocated, no per-step sync.
     """
     num_steps = _check_schedule(sigmas)
     if window.shape != (num_steps,) or window.dtype != torch.bool:
@@ -280,9 +284,18 @@ def sample(
     stds = torch.zeros((batch, num_steps), dtype=torch.float32, device=device)
     log_probs = torch.full((batch, num_steps), math.nan, dtype=torch.float32, device=device)
 
+    if noise_rows is not None and len(range(noise_rows[0])[noise_rows[1]]) != batch:
+        raise ValueError(f"noise_rows {noise_rows} does not select x_T's {batch} rows")
     x = x_T
     for i in range(num_steps):
         v = velocity_fn(x, sigma_rows[i])
+        noise = None
+        if noise_rows is not None and stochastic[i] and kind != "ode":
+            whole = torch.randn(
+                (noise_rows[0], *x.shape[1:]), generator=generator, device=device,
+                dtype=torch.float32,
+            )  # fmt: skip
+            noise = whole[noise_rows[1]]
         step = sde_step(
             x,
             v,
@@ -290,6 +303,7 @@ def sample(
             sigma_list[i + 1],
             kind=kind if stochastic[i] else "ode",
             eta=eta,
+            noise=noise,
             sigma_max=sigma_max,
             generator=generator,
         )

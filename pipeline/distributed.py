@@ -1,0 +1,94 @@
+"""Several processes, one round: the ranks of an `accelerate launch` (torch.distributed) job.
+
+A round's trajectories are split over the ranks in contiguous shards (`shard`); what needs the
+whole round (group statistics, metrics) is gathered; the LoRA gradients of every minibatch are
+summed over the ranks before the optimizer step (`sum_gradients`), so N processes train the
+algorithm one process trains, to float rounding, whatever N is. A single process (no
+`WORLD_SIZE` > 1 in its environment) never touches torch.distributed.
+
+The process group comes from accelerate (`PartialState`): gloo on CPU, nccl on GPUs, set up
+from the environment `accelerate launch` (or torchrun) gives each process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job: rank `index` of `count`."""
+
+    index: int = 0
+    count: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes what exists once per round (checkpoints, manifests, metrics)."""
+        return self.index == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.count > 1
+
+
+SINGLE = Ranks()
+
+
+def current() -> Ranks:
+    """The ranks of this job: `SINGLE` unless launched as several processes."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return SINGLE
+    from accelerate import PartialState
+
+    # accelerate picks multi-CPU (gloo) only when asked for the CPU; nccl where GPUs exist
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return Ranks(state.process_index, state.num_processes)
+
+
+def shard(n: int, ranks: Ranks) -> slice:
+    """The rows of an n-row batch that rank `ranks.index` holds: contiguous, in rank order,
+    sizes differing by at most one (the first n % count ranks hold one row more)."""
+    base, extra = divmod(n, ranks.count)
+    start = ranks.index * base + min(ranks.index, extra)
+    return slice(start, start + base + int(ranks.index < extra))
+
+
+_OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
+
+
+def all_reduce(values: Tensor, ranks: Ranks, op: str = "sum") -> Tensor:
+    """`values` reduced elementwise over the ranks with `op` (sum | min | max), in place."""
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.all_reduce(values, op=getattr(dist.ReduceOp, _OPS[op]))
+    return values
+
+
+def gather_objects(value: object, ranks: Ranks) -> list:
+    """Every rank's `value` (picklable), in rank order, on every rank."""
+    if not ranks.distributed:
+        return [value]
+    import torch.distributed as dist
+
+    gathered: list = [None] * ranks.count
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
+    """Sum each parameter's gradient over the ranks (one flat all-reduce). A rank without a
+    gradient (no pairs of the minibatch, so no backward) contributes zeros."""
+    if not ranks.distributed:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), ranks)
+    for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad.copy_(part.view_as(p))
