@@ -92,3 +92,22 @@ def sum_gradients(params: list[torch.nn.Parameter], ranks: Ranks) -> None:
     flat = all_reduce(torch.cat([p.grad.reshape(-1) for p in params]), ranks)
     for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
         p.grad.copy_(part.view_as(p))
+
+
+def barrier(ranks: Ranks) -> None:
+    """Wait until every rank is here (e.g. until the main rank has written a round's files)."""
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def from_main(value: object, ranks: Ranks) -> object:
+    """The main rank's `value` on every rank (what it alone computed or read)."""
+    if not ranks.distributed:
+        return value
+    import torch.distributed as dist
+
+    box = [value if ranks.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -22,8 +22,9 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from pipeline import credit, sampling
+from pipeline import credit, distributed, sampling
 from pipeline.config import Config, CreditflowError
+from pipeline.distributed import SINGLE, Ranks
 from pipeline.grpo import UpdateBatch, UpdateSettings, grpo_update, lora_state_dict
 from pipeline.rewards import RewardMix
 from pipeline.trajectories import RoundRollout
@@ -166,14 +167,18 @@ def rollout_round(
     model_version: str,
     counter: CountingVelocity,
     progress=None,
+    ranks: Ranks = SINGLE,
 ) -> RoundRollout:
     """G trajectories for each chosen prompt, sampled as one batch (group-major rows).
 
     `progress` (a tqdm bar over denoising steps, total = trajectories x T) advances by the
-    batch rows of each model call.
+    batch rows of each model call. Over several ranks each samples its shard of the round's
+    rows (`distributed.shard`) with the noise one process would draw for them.
     """
     group_size = cfg.rollout.group_size
-    rows = [prompts[i] for i in prompt_indices for _ in range(group_size)]
+    n_all = len(prompt_indices) * group_size
+    mine = distributed.shard(n_all, ranks)
+    rows = [prompts[i] for i in prompt_indices for _ in range(group_size)][mine]
     embeds = backend.encode_prompts([row["prompt"] for row in rows])
     noise_gen = generator(seed, round_index, "rollout")
     x_T = sampling.initial_noise(
@@ -187,13 +192,14 @@ def rollout_round(
         on_call = progress.update if progress is not None else None
         result = sampling.sample(
             counter.bind(embeds, on_call),
-            x_T,
+            x_T[mine],
             schedule.sigmas,
             kind=schedule.kind,
             eta=schedule.eta,
             window=schedule.window,
             generator=noise_gen,
             keep_velocities=True,  # the clean-image estimates of `score` start from them
+            noise_rows=(n_all, mine) if ranks.distributed else None,
         )
         images = backend.decode(result.final)
     # log-probs are NaN off the window by design; a non-finite state or image is what breaks
@@ -220,11 +226,11 @@ def rollout_round(
         images=images,
         prompt_ids=[
             str(prompts[i].get("id", i)) for i in prompt_indices for _ in range(group_size)
-        ],
+        ][mine],
         prompts=[row["prompt"] for row in rows],
         tags=[row["tag"] for row in rows],
-        group_ids=torch.arange(len(prompt_indices)).repeat_interleave(group_size),
-        sample_idx=torch.arange(group_size).repeat(len(prompt_indices)),
+        group_ids=torch.arange(len(prompt_indices)).repeat_interleave(group_size)[mine],
+        sample_idx=torch.arange(group_size).repeat(len(prompt_indices))[mine],
         seeds=torch.full((n,), derived_seed(seed, round_index, "rollout"), dtype=torch.long),
         velocities=result.velocities,
     )
@@ -306,12 +312,17 @@ def score_round(
     estimators: Sequence[str],
     schedule: Schedule,
     counter: CountingVelocity,
+    ranks: Ranks = SINGLE,
 ) -> ScoreResult:
     """Rewards of the final images and of the requested estimates at the boundary states.
 
     `metadata` (N,) is each trajectory's GenEval line. `estimators` may hold `tweedie`,
-    `ode_substeps` and `ode_completion`; the final image is always scored.
+    `ode_substeps` and `ode_completion`; the final image is always scored. Over several ranks
+    each scores its shard of the trajectories and every rank gets the whole round's result.
     """
+    n_all = rollout.num_trajectories
+    mine = distributed.shard(n_all, ranks)
+    rollout, metadata, offset = rollout.rows(mine), metadata[mine], mine.start
     n = rollout.num_trajectories
     boundary = schedule.boundary_states[:-1]  # (K,): b_K's estimate is the final image
     frames, keep_images, keep_keys = [], [], []
@@ -322,7 +333,7 @@ def score_round(
             frames.append(
                 pd.DataFrame(
                     {
-                        "trajectory": traj.numpy(),
+                        "trajectory": traj.numpy() + offset,
                         "step": step.numpy(),
                         "estimator": estimator,
                         "reward": name,
@@ -379,7 +390,7 @@ def score_round(
             keep_keys.append(
                 pd.DataFrame(
                     {
-                        "trajectory": traj[shown].numpy(),
+                        "trajectory": traj[shown].numpy() + offset,
                         "step": state[shown].numpy(),
                         "estimator": estimator,
                     }
@@ -395,7 +406,31 @@ def score_round(
         "cost/score_reward_calls": float(reward_calls),
         "time/estimates_s": time.perf_counter() - start,
     }
-    return ScoreResult(table, estimate_images, keys, stats)
+    result = ScoreResult(table, estimate_images, keys, stats)
+    if ranks.distributed:
+        result = _whole_round(distributed.gather_objects(result, ranks), n_all, schedule, cfg)
+    return result
+
+
+def _whole_round(shards: Sequence[ScoreResult], n: int, schedule: Schedule, cfg: Config):
+    """The ranks' score results of their shards as one round's: the tables joined, and of the
+    decoded estimates those of the round's most non-monotonic trajectories (each is among its
+    shard's, which every shard kept)."""
+    table = pd.concat([s.table for s in shards], ignore_index=True)
+    keys = pd.concat([s.estimate_keys for s in shards], ignore_index=True)
+    images = torch.cat([s.estimate_images for s in shards])
+    final = reward_matrix(table, "final", "mix", n, torch.tensor([schedule.sigmas.numel() - 1]))
+    keep = np.zeros(len(keys), dtype=bool)
+    for estimator in keys.estimator.unique():
+        boundary = reward_matrix(table, estimator, "mix", n, schedule.boundary_states[:-1])
+        picked = most_nonmonotonic(boundary, final[:, 0], cfg.score.estimate_images)
+        keep |= ((keys.estimator == estimator) & keys.trajectory.isin(picked.tolist())).to_numpy()
+    stats = {
+        "cost/score_reward_calls": sum(s.stats["cost/score_reward_calls"] for s in shards),
+        "time/estimates_s": max(s.stats["time/estimates_s"] for s in shards),
+    }
+    keys = keys[keep].reset_index(drop=True)
+    return ScoreResult(table, images[torch.from_numpy(keep)], keys, stats)
 
 
 def check_finite(table: pd.DataFrame) -> None:
@@ -502,20 +537,27 @@ def update_round(
     *,
     seed: int,
     round_index: int,
+    ranks: Ranks = SINGLE,
 ) -> dict[str, float]:
-    """One GRPO update of the LoRA weights from a round's cached transitions."""
+    """One GRPO update of the LoRA weights from a round's cached transitions (rollout and
+    advantages (N, K) of the whole round; over several ranks each computes its shard's pairs)."""
+    mine = distributed.shard(rollout.num_trajectories, ranks)
+    held = rollout.rows(mine)
     batch = UpdateBatch(
-        states=rollout.states,
-        log_probs=rollout.log_probs,
+        states=held.states,
+        log_probs=held.log_probs,
         sigmas=rollout.sigmas,
         steps=schedule.steps,
-        advantages=advantages,
-        embeds=backend.encode_prompts(rollout.prompts),
+        advantages=advantages[mine],
+        embeds=backend.encode_prompts(held.prompts),
+        first_trajectory=mine.start,
+        round_trajectories=rollout.num_trajectories,
     )
     settings = update_settings(cfg, schedule)
     metrics = grpo_update(
-        backend, optimizer, batch, settings, generator=generator(seed, round_index, "update")
-    )
+        backend, optimizer, batch, settings, generator=generator(seed, round_index, "update"),
+        ranks=ranks,
+    )  # fmt: skip
     check_update_finite(backend, metrics, round_index)
     # Forward passes per sample: CFG doubles each, the KL reference adds one more of each.
     per_pair = (1 if settings.guidance == 1 else 2) * (2 if settings.kl_beta > 0 else 1)

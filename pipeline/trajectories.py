@@ -39,7 +39,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -163,9 +163,39 @@ class RoundRollout:
     def num_trajectories(self) -> int:
         return self.states.shape[0]
 
+    def rows(self, part: slice) -> RoundRollout:
+        """The trajectories `part` of this round (a rank's shard), sharing its tensors."""
+        per_row = {name: getattr(self, name)[part] for name in _ROW_FIELDS}
+        if self.velocities is not None:
+            per_row["velocities"] = self.velocities[part]
+        return replace(self, **per_row)
+
+    @classmethod
+    def concat(cls, shards: Sequence[RoundRollout]) -> RoundRollout:
+        """One round from its shards, in order (what the ranks sampled, gathered)."""
+        first = shards[0]
+        joined = {
+            name: (
+                torch.cat([getattr(s, name) for s in shards])
+                if isinstance(getattr(first, name), torch.Tensor)
+                else [v for s in shards for v in getattr(s, name)]
+            )
+            for name in _ROW_FIELDS
+        }
+        if first.velocities is not None:
+            joined["velocities"] = torch.cat([s.velocities for s in shards])
+        return replace(first, **joined)
+
     @property
     def num_steps(self) -> int:
         return self.states.shape[1] - 1
+
+
+# per-trajectory fields (dim 0 or list index = trajectory); velocities may be None
+_ROW_FIELDS = (
+    "states", "means", "stds", "log_probs", "images", "prompt_ids", "prompts", "tags",
+    "group_ids", "sample_idx", "seeds",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------

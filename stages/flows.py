@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from contextlib import nullcontext
 from typing import Any
 
 from pipeline.config import Config, CreditflowError
@@ -31,7 +32,10 @@ def stage_task(name: str):
 
 
 def inline() -> bool:
-    return os.environ.get("CREDITFLOW_ORCHESTRATION", "prefect") == "inline"
+    """Tasks run as plain functions: when asked, and in every rank of a multi-process job
+    (each rank's own Prefect server would serve nobody)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return launched or os.environ.get("CREDITFLOW_ORCHESTRATION", "prefect") == "inline"
 
 
 def call(task, *args: Any, **kwargs: Any) -> Any:
@@ -42,8 +46,13 @@ def call(task, *args: Any, **kwargs: Any) -> Any:
 def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any) -> Any:
     """Run one stage as a flow, inside an MLflow child run of this pipeline run (a resumed
     training run continues its own), named `<stage>/<policy>` when it trains or evaluates one."""
+    from pipeline import distributed
     from pipeline.tracking import stage_run
 
+    if not distributed.current().is_main:
+        if name != "train":  # the other stages run on the main rank alone
+            return None
+        return train(cfg)  # the main rank tracks the job
     policy = _policy_of(name, cfg, kwargs)
     if run_name is None and name in ("train", "evaluate"):
         run_name = f"{name}/{policy}"
@@ -159,18 +168,25 @@ def train(cfg: Config) -> dict[str, float]:
     `reports/train/<method>-s<seed>/probe.json`.
     """
     # imported here, not at the top: the other commands import this module and need none of it
+    from pipeline import distributed
     from pipeline.layout import train_run
     from pipeline.policy import load_backend, run_lock
 
     run = train_run(cfg)
     backend = load_backend(cfg)  # first: a bad model path must fail before the run is touched
-    with run_lock(run):  # a second train of this run must not move or overwrite its rounds
-        return _train(cfg, run, backend)
+    ranks = distributed.current()
+    # a second train of this run must not move or overwrite its rounds (the main rank holds it)
+    with run_lock(run) if ranks.is_main else nullcontext():
+        return _train(cfg, run, backend, ranks)
 
 
-def _train(cfg: Config, run, backend) -> dict[str, float]:
+def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:
+    """The rounds of `train`. Over several ranks every rank rolls out, scores and updates its
+    shard of each round (the stages gather what the round needs whole); the main rank alone
+    moves or records the run, assigns the credit, probes, tracks and writes the reports."""
     from tqdm.auto import tqdm
 
+    from pipeline.distributed import barrier, from_main
     from pipeline.policy import (
         TRACKING_FILE,
         checkpoints,
@@ -190,38 +206,53 @@ def _train(cfg: Config, run, backend) -> dict[str, float]:
     from stages.score import score
     from stages.update import update
 
-    prepare_run(cfg, run)
-    record_run(run / TRACKING_FILE, cfg.root)
+    main = ranks.is_main
+    if main:
+        prepare_run(cfg, run)
+        record_run(run / TRACKING_FILE, cfg.root)
+    barrier(ranks)
     policy = restore(cfg, run, backend=backend)
     done = checkpoints(run / "checkpoints")
-    log_missing_rounds(run, done)
+    if main:
+        log_missing_rounds(run, done)
     start = max(done, default=-1) + 1
     spent = sum(load_round_metrics(path)["cost/round_nfe"] for path in done.values())
-    bar = tqdm(total=cfg.train.rounds, initial=start, desc=f"train {run.name}", unit="round")
+    bar = tqdm(
+        total=cfg.train.rounds, initial=start, desc=f"train {run.name}", unit="round",
+        disable=not main,
+    )  # fmt: skip
+
+    def probed(rounds: int) -> float | None:
+        """The held-out probe of the policy after `rounds` rounds (by the main rank)."""
+        value = call(probe, cfg, run, rounds, policy.backend)["probe/geneval"] if main else None
+        barrier(ranks)
+        return value
+
     # the base policy, or a resumed checkpoint killed before its probe was written
-    if probe_due(cfg, start) and not probe_file(run, start).is_file():
-        bar.set_postfix(probe=_short(call(probe, cfg, run, start, policy.backend)["probe/geneval"]))
+    if probe_due(cfg, start) and not from_main(probe_file(run, start).is_file(), ranks):
+        bar.set_postfix(probe=_short(probed(start)))
     with bar:
         for r in range(start, cfg.train.rounds):
             if cfg.train.nfe_budget and spent >= cfg.train.nfe_budget:
                 break
             metrics = call(rollout, cfg, run, r, policy)
             metrics |= call(score, cfg, run, r, policy)
-            metrics |= call(advantages, cfg, run, r)
+            metrics |= from_main(call(advantages, cfg, run, r) if main else None, ranks)
             metrics |= call(update, cfg, run, r, policy, metrics)
             totals = phase_totals(metrics)
-            log_metrics(metrics | totals, step=r)
+            if main:
+                log_metrics(metrics | totals, step=r)
+                prune_rollouts(run, keep=cfg.train.keep_rollouts)
             spent += totals["cost/round_nfe"]
-            prune_rollouts(run, keep=cfg.train.keep_rollouts)
             shown = {"reward": metrics["reward/mean"], "kl": metrics.get("train/kl")}
             if probe_due(cfg, r + 1):
-                shown["probe"] = call(probe, cfg, run, r + 1, policy.backend)["probe/geneval"]
+                shown["probe"] = probed(r + 1)
             bar.set_postfix({k: _short(v) for k, v in shown.items()}, refresh=False)
             bar.update()
     trained = len(checkpoints(run / "checkpoints"))
-    if cfg.train.eval_every and not probe_file(run, trained).is_file():  # the final policy
-        call(probe, cfg, run, trained, policy.backend)
-    return write_run_reports(cfg, run)
+    if cfg.train.eval_every and not from_main(probe_file(run, trained).is_file(), ranks):
+        probed(trained)  # the final policy
+    return write_run_reports(cfg, run) if main else {}
 
 
 def _short(value: float | None) -> str:

@@ -9,10 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from pipeline import layout, rounds
+from pipeline import distributed, layout, rounds
 from pipeline.config import Config
 from pipeline.policy import Policy, restore
 from pipeline.rewards import REWARDS, RewardMix
@@ -23,6 +24,7 @@ from pipeline.trajectories import read_rollout, write_estimate_images, write_sco
 def score(
     cfg: Config, run: Path | None = None, round_index: int = 0, policy: Policy | None = None
 ) -> dict[str, float]:
+    ranks = distributed.current()
     run = Path(run) if run else layout.train_run(cfg)
     rollout = read_rollout(run / "rollouts", round_index)
     policy = policy or restore(cfg, run, before_round=round_index)
@@ -39,15 +41,19 @@ def score(
         estimators=rounds.estimators_for(rollout.method, cfg),
         schedule=schedule,
         counter=counter,
+        ranks=ranks,
     )
     rounds.check_finite(result.table)
     seconds = time.perf_counter() - start
-    write_scores(run / "rollouts", round_index, result.table, overwrite=True)
-    if len(result.estimate_keys):  # flow_grpo scores no intermediate estimates
-        write_estimate_images(
-            run / "rollouts", round_index, result.estimate_images, result.estimate_keys,
-            overwrite=True,
-        )  # fmt: skip
+    if ranks.is_main:
+        write_scores(run / "rollouts", round_index, result.table, overwrite=True)
+        if len(result.estimate_keys):  # flow_grpo scores no intermediate estimates
+            write_estimate_images(
+                run / "rollouts", round_index, result.estimate_images, result.estimate_keys,
+                overwrite=True,
+            )  # fmt: skip
+    distributed.barrier(ranks)
+    nfe = float(distributed.all_reduce(torch.tensor(float(counter.nfe)), ranks))
     final = result.table[(result.table.estimator == "final") & (result.table.reward == "mix")]
     correct = REWARDS["geneval_strict"](cfg)(rollout.images, metadata)
     by_tag = {}
@@ -59,5 +65,5 @@ def score(
         "train/accuracy": float(correct.mean()),
         **{f"train/accuracy_{tag}": sum(v) / len(v) for tag, v in by_tag.items()},
         "time/score_s": seconds,
-        "cost/score_nfe": float(counter.nfe),
+        "cost/score_nfe": nfe,
     }

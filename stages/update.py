@@ -12,7 +12,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from pipeline import layout, rounds
+from pipeline import distributed, layout, rounds
 from pipeline.config import Config
 from pipeline.policy import Policy, restore
 from pipeline.trajectories import read_advantages, read_rollout
@@ -26,6 +26,7 @@ def update(
     policy: Policy | None = None,
     round_metrics: dict[str, float] | None = None,
 ) -> dict[str, float]:
+    ranks = distributed.current()
     run = Path(run) if run else layout.train_run(cfg)
     policy = policy or restore(cfg, run, before_round=round_index)
     rollout = read_rollout(run / "rollouts", round_index)
@@ -39,7 +40,10 @@ def update(
         cfg,
         seed=cfg.train.seed,
         round_index=round_index,
+        ranks=ranks,
     )
     metrics["time/update_s"] = time.perf_counter() - start
-    policy.save(run / "checkpoints", round_index, (round_metrics or {}) | metrics)
+    if ranks.is_main:  # every rank holds the same weights: one checkpoint
+        policy.save(run / "checkpoints", round_index, (round_metrics or {}) | metrics)
+    distributed.barrier(ranks)
     return metrics

@@ -147,3 +147,62 @@ def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tm
     assert moved, "the update moved no LoRA weight"
     for name, weight in ranks[0]["lora"].items():  # gradients were synchronised
         assert torch.equal(weight, ranks[1]["lora"][name]), name
+
+
+def _train_command(processes: int, project: Path, *extra: str) -> subprocess.CompletedProcess:
+    """`creditflow train` in `project`, alone or under `accelerate launch` (module `stages.cli`
+    of this checkout)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
+    launcher = [sys.executable, "-m"]
+    if processes > 1:
+        launcher += [
+            "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(_free_port()), "--module",
+        ]  # fmt: skip
+    return subprocess.run(
+        [*launcher, "stages.cli", "train", "--method", "stepwise", "--seed", "0", *extra],
+        env=env, capture_output=True, text=True, timeout=600, cwd=project,
+    )  # fmt: skip
+
+
+def test_multiprocess_training_equals_one_process(tiny_project, tmp_path):
+    """`creditflow train` under `accelerate launch` with 2 gloo processes: the same rounds,
+    checkpoints (LoRA weights to 1e-5) and per-round metrics as one process, one writer."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    params = tiny_project / "params.yaml"
+    tree = apply_overrides(
+        yaml.safe_load(params.read_text()),
+        [
+            "rollout.prompts_per_round=3", "rollout.group_size=4", "update.minibatch_size=5",
+            "update.lr=0.01", "score.rewards={brightness: 1.0}", "score.estimator=tweedie",
+            "train.rounds=2", "train.eval_every=0",
+        ],
+    )  # fmt: skip
+    params.write_text(yaml.safe_dump(tree, sort_keys=False))
+    projects = {n: tmp_path / f"p{n}" for n in (1, 2)}
+    for processes, project in projects.items():
+        shutil.copytree(tiny_project, project)
+        done = _train_command(processes, project)
+        assert done.returncode == 0, done.stderr[-3000:]
+    runs = {n: p / "data" / "train" / "stepwise-s0" for n, p in projects.items()}
+    for r in (0, 1):
+        weights = [
+            load_file(runs[n] / "checkpoints" / f"round-{r:04d}" / "lora.safetensors")
+            for n in (1, 2)
+        ]
+        assert weights[0].keys() == weights[1].keys()
+        for name, weight in weights[0].items():
+            torch.testing.assert_close(weights[1][name], weight, rtol=1e-5, atol=1e-5)
+    curves = [json.loads((p / "reports/train/stepwise-s0/rounds.json").read_text()) for p in
+              projects.values()]  # fmt: skip
+    assert len(curves[0]) == len(curves[1]) == 2
+    for one, two in zip(*curves, strict=True):
+        for key, value in one.items():
+            if key.startswith(("reward/", "credit/", "train/", "cost/")):
+                assert two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
