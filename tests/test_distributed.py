@@ -88,6 +88,19 @@ def _launch(processes: int, *args: Path) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+def _with_overrides(project: Path, *overrides: str) -> Path:
+    """Rewrite `project`'s params.yaml for 12 trajectories a round (3 prompts x 4, so a group
+    is split over 2 ranks), a dense reward and odd minibatches, plus `overrides`."""
+    params = project / "params.yaml"
+    sharded = [
+        "rollout.prompts_per_round=3", "rollout.group_size=4", "update.minibatch_size=5",
+        "update.lr=0.01", "score.rewards={brightness: 1.0}",
+    ]  # fmt: skip
+    tree = apply_overrides(yaml.safe_load(params.read_text()), [*sharded, *overrides])
+    params.write_text(yaml.safe_dump(tree, sort_keys=False))
+    return params
+
+
 def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tmp_path):
     """2 gloo processes, a prompt group split between them (12 trajectories of 3 groups of 4):
     both ranks compute the advantages of the whole round and take identical steps — the same
@@ -96,16 +109,10 @@ def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tm
     from pipeline.policy import Policy
     from pipeline.rewards import RewardMix
 
-    params = tiny_project / "params.yaml"
-    tree = apply_overrides(
-        yaml.safe_load(params.read_text()),
-        [
-            "train.method=stepwise", "rollout.prompts_per_round=3", "rollout.group_size=4",
-            "update.minibatch_size=5", "update.inner_epochs=2", "update.kl_beta=0.01",
-            "update.lr=0.01", "score.rewards={brightness: 1.0}",
-        ],
+    params = _with_overrides(
+        tiny_project,
+        "train.method=stepwise", "update.inner_epochs=2", "update.kl_beta=0.01",
     )  # fmt: skip
-    params.write_text(yaml.safe_dump(tree, sort_keys=False))
     cfg = load_config(params)
     policy = Policy.create(cfg)
     schedule = rounds.Schedule.from_config(cfg)
@@ -175,16 +182,7 @@ def test_multiprocess_training_equals_one_process(tiny_project, tmp_path):
 
     from safetensors.torch import load_file
 
-    params = tiny_project / "params.yaml"
-    tree = apply_overrides(
-        yaml.safe_load(params.read_text()),
-        [
-            "rollout.prompts_per_round=3", "rollout.group_size=4", "update.minibatch_size=5",
-            "update.lr=0.01", "score.rewards={brightness: 1.0}", "score.estimator=tweedie",
-            "train.rounds=2", "train.eval_every=0",
-        ],
-    )  # fmt: skip
-    params.write_text(yaml.safe_dump(tree, sort_keys=False))
+    _with_overrides(tiny_project, "score.estimator=tweedie", "train.rounds=2", "train.eval_every=0")
     projects = {n: tmp_path / f"p{n}" for n in (1, 2)}
     for processes, project in projects.items():
         shutil.copytree(tiny_project, project)
