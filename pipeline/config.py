@@ -236,6 +236,9 @@ class UpdateParams(Section):
     kl_beta: Annotated[float, Field(ge=0)] = 0.004
     inner_epochs: PositiveInt = 1
     minibatch_size: PositiveInt = 32  # (trajectory, step) pairs per optimizer step
+    # pairs per forward/backward on one process, gradients accumulated (0 = a rank's whole
+    # share of the minibatch): memory, not the algorithm
+    micro_batch_size: Annotated[int, Field(ge=0)] = 0
     max_grad_norm: PositiveFloat = 1.0
     weight_decay: Annotated[float, Field(ge=0)] = 0.0
 

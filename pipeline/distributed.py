@@ -13,10 +13,22 @@ from the environment `accelerate launch` (or torchrun) gives each process.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from pipeline.config import CreditflowError
+
+#: What a rank that stops because another one did tells the user (their one line).
+RESUME = "the rounds checkpointed so far are kept; rerun the same command to resume"
+
+
+class RankLost(CreditflowError):
+    """Another rank of the job is gone (crashed, killed, out of memory): this one stops too."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +73,25 @@ def shard(n: int, ranks: Ranks) -> slice:
 _OPS = {"sum": "SUM", "min": "MIN", "max": "MAX"}
 
 
+@contextmanager
+def _together() -> Iterator[None]:
+    """A collective call: a peer that vanished mid-call (gloo/nccl raise RuntimeError) becomes
+    one line instead of a backend traceback from every surviving rank."""
+    try:
+        yield
+    except RuntimeError as exc:
+        # gloo: "[.../pair.cc:553] Connection closed by peer [ip]:port. This is typically ..."
+        cause = re.sub(r"^\[[^\]]*\]\s*", "", str(exc).strip()).split(". ")[0]
+        raise RankLost(f"another rank of this job is gone ({cause}): {RESUME}") from exc
+
+
 def all_reduce(values: Tensor, ranks: Ranks, op: str = "sum") -> Tensor:
     """`values` reduced elementwise over the ranks with `op` (sum | min | max), in place."""
     if ranks.distributed:
         import torch.distributed as dist
 
-        dist.all_reduce(values, op=getattr(dist.ReduceOp, _OPS[op]))
+        with _together():
+            dist.all_reduce(values, op=getattr(dist.ReduceOp, _OPS[op]))
     return values
 
 
@@ -77,7 +102,8 @@ def gather_objects(value: object, ranks: Ranks) -> list:
     import torch.distributed as dist
 
     gathered: list = [None] * ranks.count
-    dist.all_gather_object(gathered, value)
+    with _together():
+        dist.all_gather_object(gathered, value)
     return gathered
 
 
@@ -99,7 +125,8 @@ def barrier(ranks: Ranks) -> None:
     if ranks.distributed:
         import torch.distributed as dist
 
-        dist.barrier()
+        with _together():
+            dist.barrier()
 
 
 def from_main(value: object, ranks: Ranks) -> object:
@@ -109,5 +136,6 @@ def from_main(value: object, ranks: Ranks) -> object:
     import torch.distributed as dist
 
     box = [value if ranks.is_main else None]
-    dist.broadcast_object_list(box, src=0)
+    with _together():
+        dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -10,6 +10,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from pipeline import sampling
+from pipeline.distributed import SINGLE, Ranks, gather_objects, shard
 from pipeline.geneval import evaluate, summarize
 from pipeline.io import atomic_path
 
@@ -75,13 +76,17 @@ def geneval_protocol(
     *,
     images_per_prompt: int | None = None,
     desc: str = "evaluate",
+    ranks: Ranks = SINGLE,
 ) -> tuple[Tensor, list[dict], dict]:
     """Fixed-seed evaluation-sampler images per test prompt (`evaluate.images_per_prompt` unless
     given), their verdicts and the summary. The seeds depend only on `evaluate.seed` and the
-    image's place in the list, so every policy is judged on the same initial noise."""
+    image's place in the list, so every policy is judged on the same initial noise. Over several
+    ranks each samples and judges a contiguous shard of the images, and every rank gets all."""
     per_prompt = images_per_prompt or cfg.evaluate.images_per_prompt
-    rows = [meta for meta in metadata for _ in range(per_prompt)]
-    seeds = [cfg.evaluate.seed * 100_003 + i for i in range(len(rows))]
+    everything = [meta for meta in metadata for _ in range(per_prompt)]
+    mine = shard(len(everything), ranks)
+    rows = everything[mine]
+    seeds = [cfg.evaluate.seed * 100_003 + i for i in range(len(everything))][mine]
     images = generate(
         backend,
         [meta["prompt"] for meta in rows],
@@ -93,6 +98,10 @@ def geneval_protocol(
         desc=desc,
     )
     results = judge(images, rows, workers=cfg.score.reward_workers)
+    if ranks.distributed:
+        shards = gather_objects((images, results), ranks)
+        images = torch.cat([part for part, _ in shards])
+        results = [verdict for _, part in shards for verdict in part]
     return images, results, summarize(results)
 
 

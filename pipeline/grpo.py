@@ -143,6 +143,7 @@ class UpdateSettings:
     inner_epochs: int
     minibatch_size: int
     max_grad_norm: float
+    micro_batch_size: int = 0  # held pairs per forward/backward (gradient accumulation); 0: all
 
 
 REFERENCE_CHUNK = 256  # pairs per no-grad reference call: larger batches run faster per NFE
@@ -265,10 +266,22 @@ def grpo_update(
 def _held_pairs_step(backend, batch, traj, col, settings, reference, size: int):
     """Backward of the clipped loss of the held pairs (traj, col), each (M,) — summed and divided
     by the minibatch's `size`, so that the ranks' parts add up to the minibatch mean (bit for bit
-    in one process). Returns the parts of the `_SUMMED` means but the gradient norm (5,) and
-    max |r − 1|, −min r and max r over the held pairs (3,) (0, −inf, −inf when M = 0)."""
-    if traj.numel() == 0:
-        return torch.zeros(5), torch.tensor([0.0, -math.inf, -math.inf])
+    in one process) — in micro-batches of `settings.micro_batch_size` pairs whose gradients
+    accumulate (one when 0). Returns the parts of the `_SUMMED` means but the gradient norm (5,)
+    and max |r − 1|, −min r and max r over the held pairs (3,) (0, −inf, −inf when M = 0)."""
+    parts, extremes = torch.zeros(5), torch.tensor([0.0, -math.inf, -math.inf])
+    chunk = settings.micro_batch_size or max(traj.numel(), 1)
+    for start in range(0, traj.numel(), chunk):
+        pick = slice(start, start + chunk)
+        part, extreme = _pairs_backward(
+            backend, batch, traj[pick], col[pick], settings, reference, size
+        )
+        parts, extremes = parts + part, torch.maximum(extremes, extreme)
+    return parts, extremes
+
+
+def _pairs_backward(backend, batch, traj, col, settings, reference, size: int):
+    """`_held_pairs_step` of one micro-batch of M ≥ 1 pairs: (5,) parts and (3,) extremes."""
     log_prob, old, adv, weights, kl = pair_terms(backend, batch, traj, col, settings, reference)
     pg, stats = ppo_clip_loss(log_prob, old, adv, clip_range=settings.clip_range)
     loss = (weights * (pg + settings.kl_beta * kl)).sum() / size

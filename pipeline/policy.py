@@ -48,6 +48,7 @@ _SPEED_KEYS = (
     "score.reward_batch_size",
     "score.reward_workers",
     "score.estimate_images",
+    "update.micro_batch_size",
 )
 REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart
 LOCKS_DIR = ".locks"  # data/train/.locks/<run>.lock: who is training a run now

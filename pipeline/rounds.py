@@ -524,6 +524,7 @@ def update_settings(cfg: Config, schedule: Schedule) -> UpdateSettings:
         inner_epochs=up.inner_epochs,
         minibatch_size=up.minibatch_size,
         max_grad_norm=up.max_grad_norm,
+        micro_batch_size=up.micro_batch_size,
     )
 
 

@@ -4,7 +4,8 @@
 Writes `data/eval/<policy>/results.jsonl`, `reports/eval/<policy>/metrics.json` (per-tag and
 overall accuracy: DVC metrics) and `reports/eval/<policy>/samples.png`. The scores go to this
 stage's MLflow run (tagged with the policy, method and seed) and, as `eval/geneval/...` at the
-step of its rounds trained, onto the MLflow run of the training run evaluated.
+step of its rounds trained, onto the MLflow run of the training run evaluated. Under
+`accelerate launch` every rank samples and judges its shard of the images; the main rank writes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from pipeline import layout
+from pipeline import distributed, layout
 from pipeline.config import Config, ConfigError
 from pipeline.evaluation import geneval_protocol, judged_grid
 from pipeline.io import write_json, write_text
@@ -36,7 +37,10 @@ def policy_backend(cfg: Config, policy: str):
 def evaluate(cfg: Config, policy: str = "base") -> dict[str, float]:
     backend = policy_backend(cfg, policy)
     test = layout.load_prompts(cfg, "test")
-    images, results, summary = geneval_protocol(backend, test, cfg)
+    ranks = distributed.current()  # under `accelerate launch` each rank samples a shard
+    images, results, summary = geneval_protocol(backend, test, cfg, ranks=ranks)
+    if not ranks.is_main:
+        return summary
     lines = "".join(json.dumps(row) + "\n" for row in results)
     write_text(cfg.path(layout.EVAL / policy / "results.jsonl"), lines)
     report = cfg.path(layout.REPORTS / "eval" / policy)

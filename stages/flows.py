@@ -13,12 +13,17 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
+import sys
 from contextlib import nullcontext
 from typing import Any
 
 from pipeline.config import Config, CreditflowError
 from pipeline.leftovers import claim_prefect_server, stop_orphan_prefect_servers
 from stages import STAGES
+
+#: The stages every rank of an `accelerate launch` job takes part in (each holds a shard).
+SHARDED_STAGES = ("train", "evaluate", "rescore")
 
 
 def stage_task(name: str):
@@ -49,10 +54,11 @@ def run_stage(name: str, cfg: Config, run_name: str | None = None, **kwargs: Any
     from pipeline import distributed
     from pipeline.tracking import stage_run
 
-    if not distributed.current().is_main:
-        if name != "train":  # the other stages run on the main rank alone
+    if not distributed.current().is_main:  # the main rank tracks the job
+        if name not in SHARDED_STAGES:  # the other stages run on the main rank alone
             return None
-        return train(cfg)  # the main rank tracks the job
+        work = stage_task(name)
+        return getattr(work, "fn", work)(cfg, **kwargs)
     policy = _policy_of(name, cfg, kwargs)
     if run_name is None and name in ("train", "evaluate"):
         run_name = f"{name}/{policy}"
@@ -175,9 +181,37 @@ def train(cfg: Config) -> dict[str, float]:
     run = train_run(cfg)
     backend = load_backend(cfg)  # first: a bad model path must fail before the run is touched
     ranks = distributed.current()
+    if ranks.distributed:
+        _bind_to_job()
     # a second train of this run must not move or overwrite its rounds (the main rank holds it)
     with run_lock(run) if ranks.is_main else nullcontext():
-        return _train(cfg, run, backend, ranks)
+        try:
+            return _train(cfg, run, backend, ranks)
+        except distributed.RankLost:
+            # this rank says why it stops; the launcher stopping it as well would cut that short
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            raise
+
+
+def _bind_to_job() -> None:
+    """A rank lives and dies with its job. A launcher killed with SIGKILL cannot stop its ranks,
+    so the kernel does (Linux PR_SET_PDEATHSIG): left running, they would go on training the
+    run a rerun is about to resume. A launcher stopping a rank (SIGTERM: another rank failed)
+    gets one line from it and an exit at once, as after a kill -9 (which a rerun recovers
+    from): an exception raised here could land inside a library that rewraps it."""
+    from pipeline.distributed import RESUME, RankLost
+
+    def stopped(signum, frame) -> None:
+        message = f"error: stopped by the launcher, another rank of this job failed: {RESUME}"
+        print(message, file=sys.stderr, flush=True)
+        os._exit(RankLost.exit_code)
+
+    signal.signal(signal.SIGTERM, stopped)
+    if sys.platform == "linux":
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1  # noqa: N806 (prctl's own name)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:

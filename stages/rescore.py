@@ -6,11 +6,13 @@ manifest before any work; writes the new score tables of every round to a tempor
 that replaces `<out>` (`<out>/scores/round=<r>/`) only when all are done, then compares the new
 reward with the one the rollouts were trained on: per-state Spearman rank correlation across
 trajectories, and the share of (trajectory, step) advantages whose sign flips. The comparison
-goes to `reports/rescore/summary.{json,md}` and MLflow.
+goes to `reports/rescore/summary.{json,md}` and MLflow. Under `accelerate launch` every rank
+scores its shard of each round's trajectories; the main rank compares and writes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from scipy.stats import spearmanr
 
-from pipeline import layout, rounds
+from pipeline import distributed, layout, rounds
 from pipeline.config import Config, ConfigError, check_reward_mix
 from pipeline.io import atomic_path, write_json, write_text
 from pipeline.policy import check_same_sampling, load_backend, restore
@@ -71,9 +73,15 @@ def rescore(cfg: Config, rollouts: Path, rewards: str, out: Path) -> dict[str, f
             f"--rollouts: round {incomplete[0]} under {rollouts} has no manifest (an interrupted "
             "write?); finish or remove that round first"
         )
+    ranks = distributed.current()
+    scored = _new_scores(cfg, run, rollouts, done, mix, ranks)
+    if not ranks.is_main:
+        for _ in scored:  # its shard of every round
+            pass
+        return {}
     # all rounds into a temporary directory, swapped in at the end: `out` never mixes rewards
     with atomic_path(out) as tmp:
-        summary, rhos = _rescore_rounds(cfg, run, rollouts, done, mix, tmp)
+        summary, rhos = _compare(cfg, rollouts, scored, tmp)
     report = cfg.path(layout.REPORTS / "rescore")
     write_json(report / "summary.json", summary | {"rollouts": str(rollouts), "rewards": rewards})
     write_text(report / "summary.md", _markdown(rollouts, rewards, summary, rhos[-1]))
@@ -81,12 +89,11 @@ def rescore(cfg: Config, rollouts: Path, rewards: str, out: Path) -> dict[str, f
     return summary
 
 
-def _rescore_rounds(
-    cfg: Config, run: Path, rollouts: Path, done: list[int], mix: RewardMix, out: Path
-) -> tuple[dict[str, float], list[dict[str, float]]]:
-    """Score every round in `done` with `mix` into `out`; the summary and per-round Spearman ρ."""
-    summary: dict[str, float] = {}
-    flips, rhos = [], []
+def _new_scores(
+    cfg: Config, run: Path, rollouts: Path, done: list[int], mix: RewardMix, ranks
+) -> Iterator[tuple[int, object, rounds.Schedule, object]]:
+    """(round, rollout, schedule, new score table) of every round in `done`, scored with `mix`
+    by the policy that sampled it (over several ranks, each scores a shard; all get the table)."""
     for r in done:
         rollout = read_rollout(rollouts, r)
         has_checkpoints = (run / "checkpoints").is_dir()
@@ -97,8 +104,19 @@ def _rescore_rounds(
         new = rounds.score_round(
             backend, rollout, layout.trajectory_metadata(cfg, rollout.prompts), mix, cfg,
             estimators=rounds.estimators_for(rollout.method, cfg), schedule=schedule,
-            counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
+            counter=rounds.CountingVelocity(backend, cfg.sampling.guidance), ranks=ranks,
         ).table  # fmt: skip
+        yield r, rollout, schedule, new
+
+
+def _compare(
+    cfg: Config, rollouts: Path, scored: Iterator, out: Path
+) -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Write each round's new scores into `out`; the summary and per-round Spearman ρ against
+    the scores the rounds were trained on."""
+    summary: dict[str, float] = {}
+    flips, rhos = [], []
+    for r, rollout, schedule, new in scored:
         rounds.check_finite(new)
         write_scores(out, r, new)
         old = read_scores(rollouts, r).drop(columns="round")

@@ -156,9 +156,9 @@ def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tm
         assert torch.equal(weight, ranks[1]["lora"][name]), name
 
 
-def _train_command(processes: int, project: Path, *extra: str) -> subprocess.CompletedProcess:
-    """`creditflow train` in `project`, alone or under `accelerate launch` (module `stages.cli`
-    of this checkout)."""
+def _command(processes: int, *args: str) -> tuple[list[str], dict[str, str]]:
+    """`creditflow ARGS` (module `stages.cli` of this checkout), alone or under `accelerate
+    launch`, and its environment."""
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
     launcher = [sys.executable, "-m"]
@@ -168,35 +168,65 @@ def _train_command(processes: int, project: Path, *extra: str) -> subprocess.Com
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
             "--main_process_port", str(_free_port()), "--module",
         ]  # fmt: skip
-    return subprocess.run(
-        [*launcher, "stages.cli", "train", "--method", "stepwise", "--seed", "0", *extra],
-        env=env, capture_output=True, text=True, timeout=600, cwd=project,
-    )  # fmt: skip
+    return [*launcher, "stages.cli", *args], env
 
 
-def test_multiprocess_training_equals_one_process(tiny_project, tmp_path):
+def _train_command(processes: int, *extra: str) -> tuple[list[str], dict[str, str]]:
+    return _command(processes, "train", "--method", "stepwise", "--seed", "0", *extra)
+
+
+def _train(processes: int, project: Path, *extra: str) -> None:
+    _cli(processes, project, "train", "--method", "stepwise", "--seed", "0", *extra)
+
+
+def _cli(processes: int, project: Path, *args: str) -> None:
+    command, env = _command(processes, *args)
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600, cwd=project
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture
+def sharded_project(tiny_project) -> Path:
+    """The tiny project with a prompt group split over 2 ranks and a dense reward, 2 rounds."""
+    _with_overrides(tiny_project, "score.estimator=tweedie", "train.rounds=2", "train.eval_every=0")
+    return tiny_project
+
+
+def _lora(project: Path, round_index: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    checkpoint = project / "data/train/stepwise-s0/checkpoints" / f"round-{round_index:04d}"
+    return load_file(checkpoint / "lora.safetensors")
+
+
+def _assert_same_weights(ours: dict, reference: dict, tolerance: float = 1e-5) -> None:
+    assert ours.keys() == reference.keys()
+    for name, weight in reference.items():
+        torch.testing.assert_close(ours[name], weight, rtol=tolerance, atol=tolerance)
+
+
+def test_multiprocess_training_equals_one_process(sharded_project, tmp_path):
     """`creditflow train` under `accelerate launch` with 2 gloo processes: the same rounds,
     checkpoints (LoRA weights to 1e-5) and per-round metrics as one process, one writer."""
     import json
     import shutil
 
-    from safetensors.torch import load_file
+    from stages.flows import run_stage
 
-    _with_overrides(tiny_project, "score.estimator=tweedie", "train.rounds=2", "train.eval_every=0")
     projects = {n: tmp_path / f"p{n}" for n in (1, 2)}
-    for processes, project in projects.items():
-        shutil.copytree(tiny_project, project)
-        done = _train_command(processes, project)
-        assert done.returncode == 0, done.stderr[-3000:]
-    runs = {n: p / "data" / "train" / "stepwise-s0" for n, p in projects.items()}
+    for project in projects.values():
+        shutil.copytree(sharded_project, project)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank: the same summation order in the matmuls
+    try:
+        run_stage("train", load_config(projects[1] / "params.yaml", ["train.method=stepwise"]))
+    finally:
+        torch.set_num_threads(threads)
+    _train(2, projects[2])
     for r in (0, 1):
-        weights = [
-            load_file(runs[n] / "checkpoints" / f"round-{r:04d}" / "lora.safetensors")
-            for n in (1, 2)
-        ]
-        assert weights[0].keys() == weights[1].keys()
-        for name, weight in weights[0].items():
-            torch.testing.assert_close(weights[1][name], weight, rtol=1e-5, atol=1e-5)
+        _assert_same_weights(_lora(projects[2], r), _lora(projects[1], r))
     curves = [json.loads((p / "reports/train/stepwise-s0/rounds.json").read_text()) for p in
               projects.values()]  # fmt: skip
     assert len(curves[0]) == len(curves[1]) == 2
@@ -204,3 +234,125 @@ def test_multiprocess_training_equals_one_process(tiny_project, tmp_path):
         for key, value in one.items():
             if key.startswith(("reward/", "credit/", "train/", "cost/")):
                 assert two[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+
+
+def test_multiprocess_run_resumes_after_kill_9_of_a_rank_and_of_the_launcher(
+    sharded_project, tmp_path
+):
+    """SIGKILL of one rank mid-run stops the whole job with one clear line from the survivor,
+    not a traceback; SIGKILL of the launcher takes its ranks with it (nothing keeps training the
+    run). Neither leaves a partial round, and the relaunched job resumes to the weights of an
+    uninterrupted one-process run."""
+    import shutil
+
+    from stages.flows import run_stage
+
+    reference = tmp_path / "reference"
+    shutil.copytree(sharded_project, reference)
+    done, err = _kill_9_mid_run(sharded_project, tmp_path / "stderr", "rank 1", past_round=1)
+    said = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1, err[-3000:]
+    assert "rank" in said[0] and "rerun the same command to resume" in said[0]
+    assert "[rank0]: Traceback" not in err
+    done, _ = _kill_9_mid_run(sharded_project, tmp_path / "stderr", "launcher", past_round=done)
+
+    _train(2, sharded_project, "-S", f"train.rounds={done + 1}")
+    overrides = ["train.method=stepwise", "train.seed=0", f"train.rounds={done + 1}"]
+    run_stage("train", load_config(reference / "params.yaml", overrides))
+    # 1e-4: summation-order rounding of 1 vs 2 processes compounds over the 4+ rounds; a resume
+    # that lost or redid a step would be off by about the learning rate (1e-2)
+    _assert_same_weights(_lora(sharded_project, done), _lora(reference, done), tolerance=1e-4)
+
+
+def _kill_9_mid_run(project: Path, log: Path, victim: str, past_round: int) -> tuple[int, str]:
+    """Launch a long 2-process train of `project`, SIGKILL `victim` (`launcher` | `rank 1`)
+    once round `past_round` is checkpointed, check that no rank outlives the job and that every
+    round directory left is a complete checkpoint; the rounds done and the job's stderr."""
+    import os
+    import signal
+    import time
+
+    from pipeline.policy import checkpoints
+
+    saved = project / "data/train/stepwise-s0/checkpoints"
+    command, env = _train_command(2, "-S", "train.rounds=60")
+    with open(log, "w") as stderr:  # a file: a full pipe would stall the ranks
+        launcher = subprocess.Popen(
+            command, env=env, cwd=project, stdout=subprocess.DEVNULL, stderr=stderr,
+            start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not (saved / f"round-{past_round:04d}" / "metrics.json").exists():
+        assert launcher.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ranks = _ranks_of(launcher.pid)
+    assert sorted(ranks) == [0, 1]
+    os.kill(launcher.pid if victim == "launcher" else ranks[1], signal.SIGKILL)
+    assert launcher.wait(timeout=120) != 0
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in ranks.values()):
+        assert time.monotonic() < deadline, "ranks outlived their job"
+        time.sleep(0.1)
+    done = len(checkpoints(saved))
+    assert sorted(path.name for path in saved.iterdir()) == [f"round-{r:04d}" for r in range(done)]
+    assert past_round < done < 60
+    return done, log.read_text()
+
+
+def test_multiprocess_evaluate_and_rescore_equal_one_process(sharded_project, tmp_path):
+    """`evaluate` and `rescore` under 2 gloo processes (each samples or scores a shard, the main
+    rank gathers and writes): the same verdicts, GenEval summary and score tables as one."""
+    import json
+    import shutil
+
+    from pipeline.trajectories import SCORES, list_rounds, read_scores
+    from stages.flows import run_stage
+
+    _with_overrides(sharded_project, "evaluate.images_per_prompt=3")  # 12 x 3: odd shards
+    cfg = load_config(sharded_project / "params.yaml", ["train.method=stepwise"])
+    run_stage("train", cfg)  # cached rounds to re-score
+    projects = {1: sharded_project, 2: tmp_path / "p2"}
+    shutil.copytree(sharded_project, projects[2])
+    rescore = {"rollouts": Path("data/train/stepwise-s0/rollouts"), "rewards": "geneval",
+               "out": Path("data/rescored")}  # fmt: skip
+    run_stage("evaluate", cfg, policy="stepwise-s0")  # one process: this one
+    run_stage("rescore", cfg, **rescore)
+    _cli(2, projects[2], "evaluate", "--policy", "stepwise-s0")
+    _cli(2, projects[2], "rescore", *[f"--{k}={v}" for k, v in rescore.items()])
+    one, two = projects[1], projects[2]
+    verdicts = "data/eval/stepwise-s0/results.jsonl"
+    assert (one / verdicts).read_text() == (two / verdicts).read_text()
+    assert len((one / verdicts).read_text().splitlines()) == 36
+    summary = "reports/eval/stepwise-s0/metrics.json"
+    assert json.loads((one / summary).read_text()) == json.loads((two / summary).read_text())
+    rescored = list_rounds(one / "data/rescored", SCORES)
+    assert rescored == list_rounds(two / "data/rescored", SCORES) == [0, 1]
+    for r in rescored:
+        ours, theirs = (read_scores(p / "data/rescored", r) for p in (one, two))
+        assert ours.drop(columns="value").equals(theirs.drop(columns="value"))
+        assert ours.value.to_numpy() == pytest.approx(theirs.value.to_numpy(), abs=1e-6)
+
+
+def _ranks_of(launcher: int) -> dict[int, int]:
+    """{rank: pid} of the processes `launcher` started (torch elastic puts each in a session
+    of its own, so they are found by parent, and their rank in their environment)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) != launcher:  # field 4: ppid
+                continue
+            environ = (stat.parent / "environ").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        env = dict(item.split("=", 1) for item in environ.split("\0") if "=" in item)
+        found[int(env["RANK"])] = int(stat.parent.name)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
