@@ -171,12 +171,11 @@ def _command(processes: int, *args: str) -> tuple[list[str], dict[str, str]]:
     return [*launcher, "stages.cli", *args], env
 
 
-def _train_command(processes: int, *extra: str) -> tuple[list[str], dict[str, str]]:
-    return _command(processes, "train", "--method", "stepwise", "--seed", "0", *extra)
+TRAIN = ("train", "--method", "stepwise", "--seed", "0")  # the run every multi-process test trains
 
 
 def _train(processes: int, project: Path, *extra: str) -> None:
-    _cli(processes, project, "train", "--method", "stepwise", "--seed", "0", *extra)
+    _cli(processes, project, *TRAIN, *extra)
 
 
 def _cli(processes: int, project: Path, *args: str) -> None:
@@ -275,7 +274,7 @@ def _kill_9_mid_run(project: Path, log: Path, victim: str, past_round: int) -> t
     from pipeline.policy import checkpoints
 
     saved = project / "data/train/stepwise-s0/checkpoints"
-    command, env = _train_command(2, "-S", "train.rounds=60")
+    command, env = _command(2, *TRAIN, "-S", "train.rounds=60")
     with open(log, "w") as stderr:  # a file: a full pipe would stall the ranks
         launcher = subprocess.Popen(
             command, env=env, cwd=project, stdout=subprocess.DEVNULL, stderr=stderr,
