@@ -85,7 +85,7 @@ def score_round(cfg, run: Path, r: int, names: list[str]) -> dict[str, dict]:
 
     rollout = read_rollout(run / "rollouts", r)
     backend = restore(cfg, run, before_round=r).backend
-    metadata = trajectory_metadata(cfg, rollout.prompts)
+    metadata = trajectory_metadata(cfg, rollout)
     mix = RewardMix(cfg, cfg.score.rewards)
     states = rounds.Schedule.of_rollout(rollout, cfg).boundary_states[:-1].tolist()
     embeds = backend.encode_prompts(rollout.prompts)

@@ -19,10 +19,12 @@ import glob, hashlib, sys, tempfile
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from safetensors.torch import load_file
+from pipeline.config import BaseParams
 from pipeline.pretrain import pretrain_base
 from pipeline.world import whole_world
 out = tempfile.mkdtemp()
-history = pretrain_base(out, prompts=list(whole_world()), steps=20, ae_steps=10, warmup=5,
+history = pretrain_base(out, prompts=list(whole_world()),
+                        params=BaseParams(steps=20, ae_steps=10, warmup=5, refine_steps=0),
                         progress=False)
 digest = hashlib.sha256()
 for path in sorted(glob.glob(out + "/**/*.safetensors", recursive=True)):

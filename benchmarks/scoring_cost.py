@@ -40,7 +40,7 @@ def main() -> None:
         run_id="bench", model_version="base", counter=counter,
     )  # fmt: skip
     rollout_s, rollout_nfe = time.perf_counter() - start, counter.nfe
-    metadata = trajectory_metadata(cfg, rollout.prompts)
+    metadata = trajectory_metadata(cfg, rollout)
     mix = RewardMix(cfg, cfg.score.rewards)
     rows = []
     for estimator, substeps in ESTIMATORS:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from pipeline import world
-from pipeline.detector import detect_batch
-from pipeline.geneval import TAGS, evaluate, summarize
+from pipeline.evaluation import judge
+from pipeline.geneval import TAGS, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 GATE_CORRECT = 0.99  # per tag, ground-truth renders judged correct
@@ -56,19 +56,16 @@ def check_world(test: list[dict], *, samples: int, size: int, seed: int) -> dict
     degraded = world.degrade(clean, torch.Generator().manual_seed(seed))
     out = {}
     for name, images in (("ground_truth", clean), ("degraded", degraded)):
-        rows = [
-            {"tag": m["tag"], "correct": evaluate(m, d)[0], "prompt": m["prompt"]}
-            for m, d in zip(metas, detect_batch(images), strict=True)
-        ]
+        rows = judge(images, metas)
         out[name] = summarize(rows)
         out[name]["failures"] = sorted({r["prompt"] for r in rows if not r["correct"]})[:20]
 
     cases = [(m, kind) for m in metas for kind in world.CORRUPTIONS[m["tag"]]]
     scenes = [world.corrupt(m, kind, rng) for m, kind in cases]
-    detections = detect_batch(world.render_batch(scenes, rng, size))
+    verdicts = judge(world.render_batch(scenes, rng, size), [meta for meta, _ in cases])
     stats: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-    for (meta, kind), found in zip(cases, detections, strict=True):
-        correct, reason = evaluate(meta, found)
+    for (meta, kind), verdict in zip(cases, verdicts, strict=True):
+        correct, reason = verdict["correct"], verdict["reason"]
         for key in (kind, f"{meta['tag']}/{kind}"):
             stats[key]["n"] += 1
             stats[key]["judged_wrong"] += not correct

@@ -350,7 +350,7 @@ def time_round(policy, prompts: list[dict], cfg: Config, round_index: int) -> di
     )  # fmt: skip
     rolled = time.perf_counter()
     scores = rounds.score_round(
-        backend, rollout, trajectory_metadata(cfg, rollout.prompts),
+        backend, rollout, trajectory_metadata(cfg, rollout),
         RewardMix(cfg, cfg.score.rewards), cfg, estimators=rounds.estimators_for(method, cfg),
         schedule=schedule, counter=estimated,
     )  # fmt: skip

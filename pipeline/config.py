@@ -150,10 +150,6 @@ class BaseParams(Section):
     refine_lr: PositiveFloat = 5e-4
     refine_warmup: Annotated[int, Field(ge=0)] = 100
 
-    def pretrain_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `pipeline.pretrain.pretrain_base` (not ShapesCLIP's)."""
-        return self.model_dump(exclude={"pool", "clip_steps", "clip_batch_size", "clip_lr"})
-
 
 class SamplingParams(Section):
     """The denoising schedule shared by rollouts, scoring and evaluation."""

@@ -110,25 +110,22 @@ def tp_grpo_turning_points(
 
 
 def tp_grpo_step_rewards(
-    final_reward: Tensor,
-    completion_rewards: Tensor,
-    *,
-    consistency: bool = True,
-    first_step: bool = True,
-    balance: bool = True,
+    final_reward: Tensor, completion_rewards: Tensor, turning_points: Tensor
 ) -> Tensor:
     """TP-GRPO step rewards: d_k, or R_sde − R_{k−1} at a (kept) turning point.
 
-    final_reward: (N,); completion_rewards: (N, K+1) as in :func:`tp_grpo_turning_points`, whose
-    switches these are. Returns (N, K) fp32.
+    final_reward: (N,); completion_rewards: (N, K+1) as in :func:`tp_grpo_turning_points`;
+    turning_points: (N, K) bool, that function's mask. Returns (N, K) fp32.
     """
     final, completions = _tp_inputs(final_reward, completion_rewards)
-    turning = tp_grpo_turning_points(
-        final, completions, consistency=consistency, first_step=first_step, balance=balance
-    )
     increments = completions[:, 1:] - completions[:, :-1]  # d_k, (N, K)
+    if turning_points.shape != increments.shape:
+        raise ValueError(
+            f"turning points {tuple(turning_points.shape)} do not match the "
+            f"{tuple(increments.shape)} steps of the completion rewards"
+        )
     aggregated = final[:, None] - completions[:, :-1]  # R_sde − R_{k−1}, (N, K)
-    return torch.where(turning, aggregated, increments)
+    return torch.where(turning_points, aggregated, increments)
 
 
 def tp_grpo_advantages(step_rewards: Tensor, group_ids: Tensor, *, clip: float = 5.0) -> Tensor:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.config import Config, ConfigError, CreditflowError
+
+if TYPE_CHECKING:
+    from pipeline.trajectories import RoundRollout
 
 PROMPTS = Path("data/prompts")
 BASE = Path("data/base")
@@ -38,10 +42,20 @@ def load_prompts(cfg: Config, split: str) -> list[dict]:
     return world.read_prompts(prompts_file(cfg, split))
 
 
-def trajectory_metadata(cfg: Config, prompts: list[str]) -> list[dict]:
-    """GenEval lines of the rollout's prompts, looked up by prompt text in the train set."""
-    by_text = {row["prompt"]: row for row in load_prompts(cfg, "train")}
-    missing = sorted({p for p in prompts if p not in by_text})
-    if missing:
-        raise CreditflowError(f"score: prompt {missing[0]!r} is not in the train prompt set")
-    return [by_text[p] for p in prompts]
+def trajectory_metadata(cfg: Config, rollout: RoundRollout) -> list[dict]:
+    """GenEval lines of a cached round's trajectories: the train-split lines its cached prompt ids
+    name (a line's `id`, else its index). A line whose prompt is not the cached one means the
+    train prompts changed since the round was sampled: one clear error, not a silent rematch."""
+    lines = load_prompts(cfg, "train")
+    by_id = {str(line.get("id", index)): line for index, line in enumerate(lines)}
+    found = []
+    for prompt_id, prompt in zip(rollout.prompt_ids, rollout.prompts, strict=True):
+        line = by_id.get(prompt_id)
+        if line is None or line["prompt"] != prompt:
+            raise CreditflowError(
+                f"round {rollout.round} was sampled with train prompt {prompt_id} = {prompt!r}, "
+                f"which data/prompts/train.jsonl no longer holds: restore those prompts, or roll "
+                "the round out again"
+            )
+        found.append(line)
+    return found

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.config import Config
+from pipeline.config import BaseParams, Config
 from pipeline.io import atomic_path
 from pipeline.layout import load_prompts
 from pipeline.models import ShapesBackend, ShapesConfig, vocabulary
@@ -205,37 +205,8 @@ def pretrain_base(
     out_dir: str | Path,
     *,
     prompts: list[dict],
-    steps: int = 4800,
-    batch_size: int = 64,
-    lr: float = 1e-3,
-    warmup: int = 200,
-    lr_decay: str = "cosine",
-    weight_decay: float = 0.0,
-    grad_clip: float = 1.0,
-    ema_decay: float = 0.999,
-    caption_dropout: float = 0.1,
-    t_mean: float = 1.0986,
-    t_std: float = 1.0,
-    seed: int = 0,
+    params: BaseParams,
     image_size: int = 32,
-    latent_channels: int = 4,
-    ae_channels: tuple[int, ...] = (16, 32),
-    ae_steps: int = 1500,
-    ae_lr: float = 2e-3,
-    ae_batch_size: int = 32,
-    ae_object_weight: float = 4.0,
-    ae_kl_weight: float = 1e-6,
-    patch_size: int = 2,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    head_dim: int = 32,
-    text_dim: int = 64,
-    text_layers: int = 2,
-    text_heads: int = 2,
-    max_length: int = 12,
-    refine_steps: int = 0,
-    refine_lr: float = 3e-4,
-    refine_warmup: int = 100,
     snapshot_every: int = 0,
     snapshot_dir: str | Path | None = None,
     progress: bool = True,
@@ -244,8 +215,10 @@ def pretrain_base(
 ) -> dict:
     """Train the embedded base policy on ``prompts`` (training metadata) and save it to out_dir.
 
-    Images are rendered on the fly by ``render_batch(metas, rng, image_size)`` (default
-    ``pipeline.world.render_batch``) from metadata drawn tag-balanced from ``prompts``.
+    ``params`` are the `base` section's settings (``pipeline.config.BaseParams``; its `pool` and
+    ShapesCLIP's `clip_*` are not read here). Images are rendered on the fly by
+    ``render_batch(metas, rng, image_size)`` (default ``pipeline.world.render_batch``) from
+    metadata drawn tag-balanced from ``prompts``.
     Flow phase: ``steps`` AdamW steps of ``batch_size``, lr warmed up linearly over ``warmup``
     steps then ``lr_decay`` ("cosine" or "constant"), EMA of the weights with ``ema_decay``;
     logit-normal t (t_mean, t_std).
@@ -265,14 +238,19 @@ def pretrain_base(
     returns that history: {"flow_loss": [...], "ae_loss": [...], "seconds": {...},
     "cpu_seconds": {...}, "config": {...}, "params": {...}, "num_parameters": {...}}.
     """
-    arguments = {
-        k: v for k, v in locals().items() if k not in {"prompts", "render_batch", "resume_from"}
-    }
+    arguments = {"out_dir": str(out_dir)}  # recorded in the history (in the order of its files)
+    for key, value in params.model_dump(exclude=_NOT_PRETRAIN_PARAMS | _REFINE_ARGS).items():
+        arguments[key] = value
+        if key == "seed":
+            arguments["image_size"] = image_size
     arguments.update(
-        out_dir=str(out_dir),
+        snapshot_every=snapshot_every,
         snapshot_dir=snapshot_dir and str(snapshot_dir),
+        progress=progress,
+        **params.model_dump(include=_REFINE_ARGS),
         prompts_sha256=prompts_digest(prompts),
     )
+    seed, batch_size, refine_steps = params.seed, params.batch_size, params.refine_steps
     render_batch = render_batch or _default_render()
     if resume_from is not None:
         backend, history = _resume(Path(resume_from), arguments)
@@ -289,8 +267,8 @@ def pretrain_base(
             torch.Generator().manual_seed(seed + 2),
             flow_losses,
             steps=refine_steps,
-            lr=refine_lr,
-            warmup=refine_warmup,
+            lr=params.refine_lr,
+            warmup=params.refine_warmup,
             decay_steps=refine_steps,
             snapshot_every=0,
             snapshot=lambda step: None,
@@ -308,6 +286,8 @@ def prompts_digest(prompts: list[dict]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+# `base` settings that pretrain_base does not read: the pool is chosen by its caller
+_NOT_PRETRAIN_PARAMS = {"pool", "clip_steps", "clip_batch_size", "clip_lr"}
 # the arguments that only the refine cycle reads, and those that do not change the weights
 _REFINE_ARGS = {"refine_steps", "refine_lr", "refine_warmup"}
 _NON_MODEL_ARGS = {"out_dir", "snapshot_every", "snapshot_dir", "progress"}

@@ -26,7 +26,7 @@ from pipeline import credit, distributed, sampling
 from pipeline.config import Config, CreditflowError
 from pipeline.distributed import SINGLE, Ranks
 from pipeline.grpo import UpdateBatch, UpdateSettings, grpo_update, lora_state_dict
-from pipeline.rewards import RewardMix
+from pipeline.rewards import REWARDS, RewardMix
 from pipeline.trajectories import RoundRollout
 
 
@@ -456,6 +456,23 @@ def reward_matrix(
     return torch.from_numpy(wide.to_numpy(dtype=np.float64, copy=True))
 
 
+def final_verdicts(
+    table: pd.DataFrame, rollout: RoundRollout, metadata: Sequence[dict], cfg: Config
+) -> Tensor:
+    """(N,) bool GenEval verdicts of a round's final images.
+
+    The dense `geneval` reward is 1 exactly when GenEval judges an image correct
+    (`pipeline.geneval.partial_score`), so a round scored with it is judged from its score table
+    rather than by running the detector over the same images again; otherwise the detector
+    judges them.
+    """
+    n = rollout.num_trajectories
+    if "geneval" in cfg.score.rewards:
+        final = torch.tensor([rollout.num_steps])
+        return reward_matrix(table, "final", "geneval", n, final)[:, 0] == 1.0
+    return REWARDS["geneval_strict"](cfg)(rollout.images, metadata).bool()
+
+
 @dataclass
 class Credit:
     """Advantages (N, K) of the trained steps plus diagnostics for the report."""
@@ -497,7 +514,7 @@ def assign_credit(
         boundary = reward_matrix(table, estimator, reward, n, schedule.boundary_states[:-1])
         columns = torch.cat([boundary, final[:, None]], dim=1)  # (N, K+1), last = R(x0)
         if method == "stepwise":
-            step_rewards = columns[:, 1:] - columns[:, :-1]  # gains g_k
+            step_rewards = credit.stepwise_gains(columns)
             advantages = credit.stepwise_advantages(
                 columns, group_ids, normalization=adv_cfg.normalization, clip=adv_cfg.clip
             )
@@ -507,8 +524,8 @@ def assign_credit(
                 "first_step": adv_cfg.tp_first_step,
                 "balance": adv_cfg.tp_balance,
             }
-            step_rewards = credit.tp_grpo_step_rewards(final, columns, **switches)
             turning = credit.tp_grpo_turning_points(final, columns, **switches)
+            step_rewards = credit.tp_grpo_step_rewards(final, columns, turning)
             advantages = credit.tp_grpo_advantages(step_rewards, group_ids, clip=adv_cfg.clip)
     return Credit(advantages.float().contiguous(), step_rewards.float(), turning, final_adv.float())
 

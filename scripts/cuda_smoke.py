@@ -1,6 +1,6 @@
 """CUDA smoke test of the SD3 backend: `make cuda-smoke` (or `python scripts/cuda_smoke.py`).
 
-On a machine with CUDA it builds tiny random SD3 and CLIP components (tests/sd3_tiny.py) in a
+On a machine with CUDA it builds tiny random SD3 and CLIP components (pipeline/sd3_tiny.py) in a
 temporary directory and
 1. checks that the backend's fp32 ODE rollout on the GPU equals diffusers'
    StableDiffusion3Pipeline(..., output_type="latent") for the same latents;
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the package and tests/sd3_tiny.py, whatever the cwd
+sys.path.insert(0, str(REPO))  # the package, whatever the cwd
 
 ODE_TOLERANCE = 1e-3  # fp32 on GPU: cuDNN may use TF32 convolutions in the patch embedding
 RATIO_TOLERANCE = 0.05  # bf16: rollout and update batch rows differently
@@ -35,7 +35,7 @@ def ode_matches_pipeline(sd3_dir: Path) -> float:
 
     from pipeline import sampling
     from pipeline.sd3 import SD3Backend
-    from tests.sd3_tiny import RESOLUTION, SHIFT, T5_MAX_LENGTH
+    from pipeline.sd3_tiny import RESOLUTION, SHIFT, T5_MAX_LENGTH
 
     backend = SD3Backend.from_pretrained(
         sd3_dir, device="cuda", resolution=RESOLUTION, max_sequence_length=T5_MAX_LENGTH
@@ -79,25 +79,19 @@ def grpo_round(root: Path, sd3_dir: Path, clip_dir: Path) -> dict[str, float]:
         score_round,
         update_round,
     )
-    from tests.sd3_tiny import RESOLUTION, T5_MAX_LENGTH
+    from pipeline.sd3_tiny import tiny_round_overrides
 
     shutil.copy(REPO / "params.yaml", root / "params.yaml")
     cfg = load_config(
         root / "params.yaml",
         [
-            "model.backend=sd3",
-            f"model.path={sd3_dir}",
+            *tiny_round_overrides(sd3_dir, clip_dir),
             "model.device=cuda",
             "model.dtype=bfloat16",
-            f"model.resolution={RESOLUTION}",
-            f"model.max_sequence_length={T5_MAX_LENGTH}",
             "train.method=stepwise",
-            "sampling.num_steps=4",
             "rollout.group_size=4",
             "update.minibatch_size=8",
-            "score.rewards={clipscore: 1.0}",
             "score.estimator=tweedie",
-            f"score.clip_path={clip_dir}",
         ],
     )
     backend = load_backend(cfg)
@@ -146,7 +140,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("cuda-smoke: skipped, no CUDA device on this machine")
         return 0
-    from tests.sd3_tiny import write_tiny_clip, write_tiny_sd3
+    from pipeline.sd3_tiny import write_tiny_clip, write_tiny_sd3
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

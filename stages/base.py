@@ -36,10 +36,10 @@ def base(cfg: Config) -> dict[str, float]:
     from pipeline.shapesclip import train_shapesclip
 
     world = cfg.world
-    first_cycle = {**cfg.base.pretrain_kwargs(), "refine_steps": 0}
+    first_cycle = cfg.base.model_copy(update={"refine_steps": 0})
     with atomic_path(cfg.path(layout.PRETRAINED)) as tmp:
         history = pretrain_base(
-            tmp, prompts=pretrain_pool(cfg), image_size=world.image_size, **first_cycle
+            tmp, prompts=pretrain_pool(cfg), params=first_cycle, image_size=world.image_size
         )
     clip = train_shapesclip(
         cfg.path(SHAPESCLIP_DIR),

@@ -35,7 +35,7 @@ def refine(cfg: Config) -> dict[str, float]:
             prompts=pretrain_pool(cfg),
             image_size=cfg.world.image_size,
             resume_from=first_cycle,
-            **cfg.base.pretrain_kwargs(),
+            params=cfg.base,
         )
     losses = history["flow_loss"]
     metrics = {

@@ -102,7 +102,7 @@ def _new_scores(
         )
         schedule = rounds.Schedule.of_rollout(rollout, cfg)
         new = rounds.score_round(
-            backend, rollout, layout.trajectory_metadata(cfg, rollout.prompts), mix, cfg,
+            backend, rollout, layout.trajectory_metadata(cfg, rollout), mix, cfg,
             estimators=rounds.estimators_for(rollout.method, cfg), schedule=schedule,
             counter=rounds.CountingVelocity(backend, cfg.sampling.guidance), ranks=ranks,
         ).table  # fmt: skip

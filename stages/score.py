@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import distributed, layout, rounds
 from pipeline.config import Config
 from pipeline.policy import Policy, restore
-from pipeline.rewards import REWARDS, RewardMix
+from pipeline.rewards import RewardMix
 from pipeline.trajectories import read_rollout, write_estimate_images, write_scores
 
 
@@ -28,7 +28,7 @@ def score(
     run = Path(run) if run else layout.train_run(cfg)
     rollout = read_rollout(run / "rollouts", round_index)
     policy = policy or restore(cfg, run, before_round=round_index)
-    metadata = layout.trajectory_metadata(cfg, rollout.prompts)
+    metadata = layout.trajectory_metadata(cfg, rollout)
     counter = rounds.CountingVelocity(policy.backend, cfg.sampling.guidance)
     schedule = rounds.Schedule.of_rollout(rollout, cfg)
     start = time.perf_counter()
@@ -55,7 +55,7 @@ def score(
     distributed.barrier(ranks)
     nfe = float(distributed.all_reduce(torch.tensor(float(counter.nfe)), ranks))
     final = result.table[(result.table.estimator == "final") & (result.table.reward == "mix")]
-    correct = REWARDS["geneval_strict"](cfg)(rollout.images, metadata)
+    correct = rounds.final_verdicts(result.table, rollout, metadata, cfg).float()
     by_tag = {}
     for tag, verdict in zip(rollout.tags, correct.tolist(), strict=True):
         by_tag.setdefault(tag, []).append(verdict)

@@ -112,10 +112,16 @@ FIVE_STEP_FINAL = t([1.0])
 FIVE_STEP = t([[0.5, 0.25, 0.125, 0.625, 0.75, 0.875]])
 
 
+def tp_rewards(final, completions, **switches):
+    """Step rewards at the turning points of `switches` (the two calls `assign_credit` makes)."""
+    turning = tp_grpo_turning_points(final, completions, **switches)
+    return tp_grpo_step_rewards(final, completions, turning)
+
+
 def test_tp_five_step_turning_point():
     mask = tp_grpo_turning_points(FIVE_STEP_FINAL, FIVE_STEP)
     assert mask.tolist() == [[False, False, True, False, False]]
-    rewards = tp_grpo_step_rewards(FIVE_STEP_FINAL, FIVE_STEP)
+    rewards = tp_rewards(FIVE_STEP_FINAL, FIVE_STEP)
     # k = 3 gets R_sde − R_2 = 1 − .125; the rest keep d_k.
     assert rewards.tolist() == [[-0.25, -0.125, 0.875, 0.125, 0.125]]
 
@@ -125,9 +131,7 @@ def test_tp_without_turning_points_is_increments():
     # off there is no turning point at all and the step rewards are exactly d_k.
     final, completions = t([1.0]), t([[0.0, 0.25, 0.5, 0.75]])
     assert not tp_grpo_turning_points(final, completions, first_step=False).any()
-    assert tp_grpo_step_rewards(final, completions, first_step=False).tolist() == [
-        [0.25, 0.25, 0.25]
-    ]
+    assert tp_rewards(final, completions, first_step=False).tolist() == [[0.25, 0.25, 0.25]]
 
 
 # First-step cases (K = 2), no flips at k = 2:
@@ -146,7 +150,7 @@ def test_tp_first_step_rule():
     none = tp_grpo_turning_points(FIRST_FINAL, FIRST, first_step=False, balance=False)
     assert not none[:, 0].any()
     # At k = 1 the aggregated reward is R_sde − R_0 = Δ.
-    rewards = tp_grpo_step_rewards(FIRST_FINAL, FIRST, consistency=False, balance=False)
+    rewards = tp_rewards(FIRST_FINAL, FIRST, consistency=False, balance=False)
     assert rewards[:, 0].tolist() == [0.5, 0.25, -0.25]
 
 
@@ -157,7 +161,7 @@ def test_tp_consistency_constraint():
     assert tp_grpo_turning_points(final, completions).tolist() == [[False, False]]
     loose = tp_grpo_turning_points(final, completions, consistency=False)
     assert loose.tolist() == [[False, True]]
-    assert tp_grpo_step_rewards(final, completions, consistency=False).tolist() == [[-0.25, 0.5]]
+    assert tp_rewards(final, completions, consistency=False).tolist() == [[-0.25, 0.5]]
 
 
 # Balancing batch (K = 2), one turning point each, all at k = 2:
@@ -174,7 +178,7 @@ def test_tp_balancing():
     # min(2 positive, 1 negative) = 1 per side: keep row 0 (larger |Δ|) and row 2.
     kept = tp_grpo_turning_points(BAL_FINAL, BAL)
     assert kept.tolist() == [[False, True], [False, False], [False, True]]
-    rewards = tp_grpo_step_rewards(BAL_FINAL, BAL)
+    rewards = tp_rewards(BAL_FINAL, BAL)
     # row 0: R_sde − R_1 = .75; row 1 keeps d_2 = .25; row 2: R_sde − R_1 = −.5.
     assert rewards.tolist() == [[-0.25, 0.75], [-0.125, 0.25], [0.25, -0.5]]
 
@@ -211,11 +215,11 @@ def test_tp_advantages_per_step_per_group():
             "step reward of trajectory 7 is nan",
         ),
         (
-            lambda bad: tp_grpo_step_rewards(bad, torch.zeros(9, 3)),
+            lambda bad: tp_rewards(bad, torch.zeros(9, 3)),
             "final reward of trajectory 7 is nan",
         ),
         (
-            lambda bad: tp_grpo_step_rewards(torch.zeros(9), torch.stack([bad] * 3, 1)),
+            lambda bad: tp_rewards(torch.zeros(9), torch.stack([bad] * 3, 1)),
             "completion reward of trajectory 7 is nan",
         ),
         (
@@ -245,6 +249,8 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="integer"):
         flow_grpo_advantages(REWARDS, GROUPS.float(), global_std=False)
     with pytest.raises(ValueError, match="rows"):
-        tp_grpo_step_rewards(torch.zeros(3), torch.zeros(4, 3))
+        tp_rewards(torch.zeros(3), torch.zeros(4, 3))
+    with pytest.raises(ValueError, match=r"turning points \(4, 3\) do not match the \(4, 2\)"):
+        tp_grpo_step_rewards(torch.zeros(4), torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\(N,\)"):
         flow_grpo_advantages(REWARDS[:, None], GROUPS, global_std=False)

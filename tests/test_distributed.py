@@ -123,7 +123,7 @@ def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tm
         round_index=0, run_id="t", model_version="t", counter=counter,
     )  # fmt: skip
     scores = rounds.score_round(
-        policy.backend, rollout, layout.trajectory_metadata(cfg, rollout.prompts),
+        policy.backend, rollout, layout.trajectory_metadata(cfg, rollout),
         RewardMix(cfg, cfg.score.rewards), cfg, estimators=rounds.estimators_for("stepwise", cfg),
         schedule=schedule, counter=counter,
     )  # fmt: skip

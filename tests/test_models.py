@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.config import BaseParams
 from pipeline.models import (
     LORA_TARGET_MODULES,
     PromptEmbeds,
@@ -58,6 +59,16 @@ def perturb_(module: torch.nn.Module, seed: int = 1) -> None:
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
+
+
+def pretrain(out_dir, *, prompts, image_size, progress=False, resume_from=None, **settings):
+    """`pretrain_base` with its `base` settings given as keywords (no refine cycle unless asked)."""
+    snapshots = {k: settings.pop(k) for k in ("snapshot_every", "snapshot_dir") if k in settings}
+    params = BaseParams(**{"refine_steps": 0, **settings})
+    return pretrain_base(
+        out_dir, prompts=prompts, params=params, image_size=image_size, progress=progress,
+        resume_from=resume_from, **snapshots,
+    )  # fmt: skip
 
 
 def test_tokenizer_ids_padding_and_unknown_words():
@@ -230,11 +241,11 @@ def test_pretrain_is_deterministic_and_snapshots_equal_shorter_runs(tmp_path):
         # The world needs 32 px to place four objects; three AE levels keep the latent at 8x8.
         **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
     )
-    first = pretrain_base(
+    first = pretrain(
         tmp_path / "a", steps=4, snapshot_every=2, snapshot_dir=tmp_path / "snap", **kwargs
     )
-    second = pretrain_base(tmp_path / "b", steps=4, **kwargs)
-    short = pretrain_base(tmp_path / "c", steps=2, **kwargs)
+    second = pretrain(tmp_path / "b", steps=4, **kwargs)
+    short = pretrain(tmp_path / "c", steps=2, **kwargs)
     assert first["flow_loss"] == second["flow_loss"] and len(first["flow_loss"]) == 4
     assert first["ae_loss"] == second["ae_loss"] and all(np.isfinite(first["flow_loss"]))
     assert short["flow_loss"] == first["flow_loss"][:2]
@@ -251,11 +262,9 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
         progress=False, **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
     )  # fmt: skip
     refine = dict(refine_steps=3, refine_lr=5e-4, refine_warmup=1)
-    scratch = pretrain_base(tmp_path / "scratch", **kwargs, **refine)
-    pretrain_base(tmp_path / "first", **kwargs)
-    resumed = pretrain_base(
-        tmp_path / "resumed", resume_from=tmp_path / "first", **kwargs, **refine
-    )
+    scratch = pretrain(tmp_path / "scratch", **kwargs, **refine)
+    pretrain(tmp_path / "first", **kwargs)
+    resumed = pretrain(tmp_path / "resumed", resume_from=tmp_path / "first", **kwargs, **refine)
     assert resumed["flow_loss"] == scratch["flow_loss"] and len(scratch["flow_loss"]) == 6
     assert set(resumed["seconds"]) == {"autoencoder", "flow", "refine"}
     assert_same_weights(tmp_path / "scratch", tmp_path / "resumed")
@@ -268,13 +277,13 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     )  # fmt: skip
     # a first cycle made with other arguments (or other scenes) is refused, naming the difference
     with pytest.raises(ValueError, match="seed"):
-        pretrain_base(tmp_path / "x", resume_from=tmp_path / "first", **{**kwargs, "seed": 6})
+        pretrain(tmp_path / "x", resume_from=tmp_path / "first", **{**kwargs, "seed": 6})
     with pytest.raises(ValueError, match="prompts_sha256"):
-        pretrain_base(
+        pretrain(
             tmp_path / "y", resume_from=tmp_path / "first", **{**kwargs, "prompts": train[:-1]}
         )
     with pytest.raises(ValueError, match="refine cycle"):
-        pretrain_base(tmp_path / "z", resume_from=tmp_path / "scratch", **kwargs, **refine)
+        pretrain(tmp_path / "z", resume_from=tmp_path / "scratch", **kwargs, **refine)
 
 
 def test_a_prompts_embedding_does_not_depend_on_what_it_was_encoded_with():

@@ -24,7 +24,7 @@ from pipeline.real_rewards import (
     select_detections,
     to_uint8,
 )
-from tests.sd3_tiny import write_tiny_clip, write_tiny_owlv2
+from pipeline.sd3_tiny import write_tiny_clip, write_tiny_owlv2
 
 PROMPTS = ["a red dog", "a photo of two cats", "a blue bench", "a dog left of a cat", "x"]
 

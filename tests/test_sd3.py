@@ -11,11 +11,12 @@ from pipeline import sampling
 from pipeline.config import ConfigError, load_config
 from pipeline.grpo import lora_parameters
 from pipeline.sd3 import SD3Backend, save_lora_weights
-from tests.sd3_tiny import (
+from pipeline.sd3_tiny import (
     CLIP_MAX_LENGTH,
     RESOLUTION,
     SHIFT,
     T5_MAX_LENGTH,
+    tiny_round_overrides,
     write_tiny_clip,
     write_tiny_sd3,
 )
@@ -202,15 +203,9 @@ def test_one_grpo_round_trains_only_lora_and_saves_a_diffusers_lora(sd3_dir, pro
     cfg = load_config(
         project / "params.yaml",
         [
-            "model.backend=sd3",
-            f"model.path={sd3_dir}",
-            f"model.resolution={RESOLUTION}",
-            f"model.max_sequence_length={T5_MAX_LENGTH}",
-            "sampling.num_steps=4",
+            *tiny_round_overrides(sd3_dir, write_tiny_clip(tmp_path / "clip")),
             "rollout.group_size=3",
             "update.minibatch_size=6",
-            "score.rewards={clipscore: 1.0}",
-            f"score.clip_path={write_tiny_clip(tmp_path / 'clip')}",
         ],
     )
     backend = load_backend(cfg)

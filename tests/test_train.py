@@ -365,6 +365,29 @@ def test_later_stages_read_the_schedule_from_the_cache_and_refuse_other_params(t
     pd.testing.assert_frame_equal(pd.read_parquet(advantages_file(run, 0)), before)
 
 
+def test_a_round_is_scored_with_the_prompts_it_cached_and_a_changed_split_is_refused(
+    tiny_project,
+):
+    from pipeline.config import CreditflowError
+    from pipeline.layout import prompts_file, trajectory_metadata
+    from pipeline.trajectories import read_rollout
+    from stages.score import score
+
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    run = train_run(cfg)
+    rollout = read_rollout(run / "rollouts", 0)
+    path = prompts_file(cfg, "train")
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert trajectory_metadata(cfg, rollout) == [lines[int(i)] for i in rollout.prompt_ids]
+    # the first trajectory's line swapped for another prompt's: the round no longer matches
+    first = int(rollout.prompt_ids[0])
+    other = next(i for i, line in enumerate(lines) if line["prompt"] != lines[first]["prompt"])
+    lines[first], lines[other] = lines[other], lines[first]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(CreditflowError, match=f"round 0 was sampled with train prompt {first} = "):
+        score.fn(cfg, run, 0)
+
+
 @pytest.mark.parametrize(
     ("method", "overrides"),
     [
@@ -404,7 +427,7 @@ def test_estimates_from_the_rollouts_velocities_equal_recomputed_ones(
         counter = rounds.CountingVelocity(backend, cfg.sampling.guidance)
         rollout.velocities = velocities
         result = rounds.score_round(
-            backend, rollout, trajectory_metadata(cfg, rollout.prompts),
+            backend, rollout, trajectory_metadata(cfg, rollout),
             RewardMix(cfg, cfg.score.rewards), cfg,
             estimators=rounds.estimators_for(method, cfg), schedule=schedule, counter=counter,
         )  # fmt: skip
@@ -440,7 +463,7 @@ def test_rewards_scored_batch_by_batch_beside_the_network_equal_one_call(tiny_pr
         run_id="r", model_version="base",
         counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
     )  # fmt: skip
-    metadata, mix = trajectory_metadata(cfg, rollout.prompts), RewardMix(cfg, cfg.score.rewards)
+    metadata, mix = trajectory_metadata(cfg, rollout), RewardMix(cfg, cfg.score.rewards)
     (estimator,) = rounds.estimators_for(method, cfg)
 
     def scored(rewards):
@@ -475,3 +498,45 @@ def test_rewards_scored_batch_by_batch_beside_the_network_equal_one_call(tiny_pr
 
     with pytest.raises(RuntimeError, match="reward model fell over"):
         scored(failing)
+
+
+def test_train_accuracy_is_read_off_the_geneval_scores_without_a_second_detection(
+    tiny_project, monkeypatch
+):
+    """The score stage's train/accuracy: from the dense geneval reward's 1s when the mix has it
+    (the same verdicts as GenEval's detector pass, which then never runs), else detected."""
+    from pipeline import rounds
+    from pipeline.layout import load_prompts, trajectory_metadata
+    from pipeline.policy import load_backend
+    from pipeline.rewards import RewardMix
+    from pipeline.world import render_batch
+
+    cfg = load_config(tiny_project / "params.yaml", ["score.rewards={geneval: 1, brightness: 1}"])
+    backend, prompts = load_backend(cfg), load_prompts(cfg, "train")
+    schedule = rounds.Schedule.from_config(cfg)
+    rollout = rounds.rollout_round(
+        backend, prompts, [0, 1], schedule, cfg, method="flow_grpo", seed=0, round_index=0,
+        run_id="r", model_version="base",
+        counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
+    )  # fmt: skip
+    metadata = trajectory_metadata(cfg, rollout)
+    truth = render_batch(metadata, np.random.default_rng(0), cfg.world.image_size).float()
+    blank = truth[:, :, :1, :1].expand_as(truth)  # the background colour only: never correct
+    rollout.images = torch.where(
+        (torch.arange(len(truth)) % 2 == 0)[:, None, None, None], truth, blank
+    )
+    table = rounds.score_round(
+        backend, rollout, metadata, RewardMix(cfg, cfg.score.rewards), cfg, estimators=(),
+        schedule=schedule, counter=rounds.CountingVelocity(backend, cfg.sampling.guidance),
+    ).table  # fmt: skip
+    detected = REWARDS["geneval_strict"](cfg)(rollout.images, metadata).bool()
+    assert detected.tolist() == [i % 2 == 0 for i in range(len(truth))]
+
+    def no_second_pass(cfg):
+        raise AssertionError("the detector ran again")
+
+    monkeypatch.setitem(REWARDS, "geneval_strict", no_second_pass)
+    assert rounds.final_verdicts(table, rollout, metadata, cfg).tolist() == detected.tolist()
+    monkeypatch.undo()
+    bright = load_config(tiny_project / "params.yaml", ["score.rewards={brightness: 1}"])
+    assert rounds.final_verdicts(table, rollout, metadata, bright).tolist() == detected.tolist()

@@ -1,4 +1,5 @@
-"""Tiny, randomly initialised stand-ins for SD3.5-M and the real-image reward models.
+"""Tiny, randomly initialised stand-ins for SD3.5-M and the real-image reward models, for the
+tests and the CUDA smoke check (`scripts/cuda_smoke.py`).
 
 Each writer saves its components with ``save_pretrained`` in the layout of the real checkpoint
 (stabilityai/stable-diffusion-3.5-medium; a CLIP model dir; an OWLv2 dir), so tests load them
@@ -242,3 +243,17 @@ def write_tiny_owlv2(directory: Path, *, image_size: int = 32, seed: int = 7) ->
     Owlv2Processor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(directory)
     model.save_pretrained(directory)
     return directory
+
+
+def tiny_round_overrides(sd3_dir: Path, clip_dir: Path) -> list[str]:
+    """`-S` overrides for GRPO rounds on the tiny SD3 rewarded by the tiny CLIP's score (the
+    tests' and the CUDA smoke check's common setting; each adds its own sizes)."""
+    return [
+        "model.backend=sd3",
+        f"model.path={sd3_dir}",
+        f"model.resolution={RESOLUTION}",
+        f"model.max_sequence_length={T5_MAX_LENGTH}",
+        "sampling.num_steps=4",
+        "score.rewards={clipscore: 1.0}",
+        f"score.clip_path={clip_dir}",
+    ]
