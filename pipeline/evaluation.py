@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from pipeline import sampling
 from pipeline.distributed import SINGLE, Ranks, gather_objects, shard
-from pipeline.geneval import evaluate, summarize
+from pipeline.geneval import summarize, verdicts
 from pipeline.io import atomic_path
 
 
@@ -60,13 +60,7 @@ def judge(images: Tensor, metadata: Sequence[dict], *, workers: int = 1) -> list
     `workers`)."""
     from pipeline.detector import detect_batch
 
-    results = []
-    for meta, found in zip(metadata, detect_batch(images, workers=workers), strict=True):
-        correct, reason = evaluate(meta, found)
-        results.append(
-            {"tag": meta["tag"], "prompt": meta["prompt"], "correct": correct, "reason": reason}
-        )
-    return results
+    return verdicts(metadata, detect_batch(images, workers=workers))
 
 
 def geneval_protocol(

@@ -134,6 +134,19 @@ def evaluate(metadata: Mapping, detections: Mapping[str, Sequence[Detection]]) -
     return correct, "\n".join(reasons)
 
 
+def verdicts(
+    metadata: Sequence[Mapping], detections: Sequence[Mapping[str, Sequence[Detection]]]
+) -> list[dict]:
+    """`evaluate` over a batch: one {tag, prompt, correct, reason} per (line, detections) pair."""
+    rows = []
+    for meta, found in zip(metadata, detections, strict=True):
+        correct, reason = evaluate(meta, found)
+        rows.append(
+            {"tag": meta["tag"], "prompt": meta["prompt"], "correct": correct, "reason": reason}
+        )
+    return rows
+
+
 def _first_position_failure(
     objects: Sequence[Detection], targets: Sequence[Detection], relation: str
 ) -> set[str] | None:

@@ -58,12 +58,11 @@ def partial_geneval_reward(detect: Detect) -> RewardFn:
 
 def strict_geneval_reward(detect: Detect) -> RewardFn:
     """GenEval's binary verdict on `detect`'s detections: 1 when every rule holds."""
-    from pipeline.geneval import evaluate
+    from pipeline.geneval import verdicts
 
     def reward(images: Tensor, metadata: Sequence[dict]) -> Tensor:
-        found = detect(images, metadata)
-        verdicts = [evaluate(m, d)[0] for m, d in zip(metadata, found, strict=True)]
-        return torch.tensor(verdicts, dtype=torch.float32)
+        judged = verdicts(metadata, detect(images, metadata))
+        return torch.tensor([row["correct"] for row in judged], dtype=torch.float32)
 
     return reward
 

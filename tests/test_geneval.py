@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from pipeline.geneval import Detection, evaluate, partial_score, relative_position, summarize
+from pipeline.geneval import (
+    Detection,
+    evaluate,
+    partial_score,
+    relative_position,
+    summarize,
+    verdicts,
+)
 
 
 def det(box, score=0.9, color=None):
@@ -140,6 +147,19 @@ def test_all_failures_are_listed():
         "expected red circle>=1, found 0 red; and 1 green",
         "expected square>=1, found 0",
     ]
+
+
+def test_verdicts_judge_a_batch_line_by_line():
+    lines = [{**POSITION, "prompt": "p0"}, {**POSITION, "prompt": "p1"}]
+    found = [{"square": [det(RIGHT)], "circle": [det(LEFT)]}, {"circle": [det(LEFT)]}]
+    rows = verdicts(lines, found)
+    assert [r["correct"] for r in rows] == [True, False]
+    assert [(r["tag"], r["prompt"]) for r in rows] == [("position", "p0"), ("position", "p1")]
+    assert [(r["correct"], r["reason"]) for r in rows] == [
+        evaluate(m, d) for m, d in zip(lines, found, strict=True)
+    ]
+    with pytest.raises(ValueError):  # one detection set per line
+        verdicts(lines, found[:1])
 
 
 # ----------------------------------------------------------------------------- partial_score
