@@ -119,7 +119,9 @@ def test_update_changes_only_lora_and_reference_stays_base(tiny):
 
 
 def test_reference_means_are_the_base_policys_step_means(tiny):
-    """One no-grad pass per round (any chunking) gives each pair's reference mean, to 1e-6."""
+    """One no-grad pass per round (any chunking) gives each pair's reference mean, to 1e-5 (fp32
+    kernels block a matmul by its batch size: chunks of 3 and one batch of all pairs differ in
+    the last bits, up to 1.7e-6 seen at one thread)."""
     cfg, policy, schedule, result = tiny
     backend = policy.backend
     with torch.no_grad():  # move the policy away from the base
@@ -148,7 +150,7 @@ def test_reference_means_are_the_base_policys_step_means(tiny):
     with torch.no_grad():
         adapted = means()
     assert reference.shape == (*batch.advantages.shape, *x.shape[1:])
-    torch.testing.assert_close(reference[traj, col], base, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(reference[traj, col], base, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(base, adapted, atol=1e-4)  # the adapters matter here
     with pytest.raises(ValueError, match="reference"):
         pair_terms(backend, batch, traj, col, settings)
