@@ -61,13 +61,15 @@ def perturb_(module: torch.nn.Module, seed: int = 1) -> None:
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
 
 
-def pretrain(out_dir, *, prompts, image_size, progress=False, resume_from=None, **settings):
+def pretrain(
+    out_dir, *, prompts, image_size, progress=False, resume_from=None, snapshot_every=0,
+    snapshot_dir=None, **settings,
+):  # fmt: skip
     """`pretrain_base` with its `base` settings given as keywords (no refine cycle unless asked)."""
-    snapshots = {k: settings.pop(k) for k in ("snapshot_every", "snapshot_dir") if k in settings}
-    params = BaseParams(**{"refine_steps": 0, **settings})
     return pretrain_base(
-        out_dir, prompts=prompts, params=params, image_size=image_size, progress=progress,
-        resume_from=resume_from, **snapshots,
+        out_dir, prompts=prompts, params=BaseParams(**{"refine_steps": 0, **settings}),
+        image_size=image_size, progress=progress, resume_from=resume_from,
+        snapshot_every=snapshot_every, snapshot_dir=snapshot_dir,
     )  # fmt: skip
 
 
