@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: setup run test lint smoke cuda-smoke clean
+.PHONY: setup run test lint smoke cuda-smoke cuda-smoke-multi clean
 setup: $(VENV)/.installed
 
 # torch first, from the CPU build on this machine's disk: a plain `torch` requirement would
@@ -28,6 +28,9 @@ test: lint
 # One tiny SD3 GRPO round on a CUDA GPU (bf16); prints a skip message and succeeds without CUDA.
 cuda-smoke: setup
 	$(BIN)/python scripts/cuda_smoke.py
+
+cuda-smoke-multi: setup  # needs 2 GPUs; skips otherwise
+	$(BIN)/python scripts/cuda_smoke.py --processes 2
 
 clean:
 	rm -rf .prefect mlflow.db mlruns

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -62,6 +64,25 @@ def current() -> Ranks:
     return Ranks(state.process_index, state.num_processes)
 
 
+def module_command(processes: int, module: str, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command that runs `python -m module args` as `processes` ranks on this machine
+    (`accelerate launch` on a free port; a plain process when 1), and its environment: this
+    one's, minus any rank variables it was itself launched with, at one thread per process."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-m"]
+    if processes > 1:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command += [
+            "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--main_process_port", str(port), "--module",
+        ]  # fmt: skip
+    return [*command, module, *args], env
+
+
 def shard(n: int, ranks: Ranks) -> slice:
     """The rows of an n-row batch that rank `ranks.index` holds: contiguous, in rank order,
     sizes differing by at most one (the first n % count ranks hold one row more)."""
@@ -85,13 +106,23 @@ def _together() -> Iterator[None]:
         raise RankLost(f"another rank of this job is gone ({cause}): {RESUME}") from exc
 
 
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a tensor on `device` must be to take part in a collective of `backend`: nccl
+    reduces GPU tensors only (this rank's current GPU), gloo reduces them where they are."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else device
+
+
 def all_reduce(values: Tensor, ranks: Ranks, op: str = "sum") -> Tensor:
-    """`values` reduced elementwise over the ranks with `op` (sum | min | max), in place."""
+    """`values` reduced elementwise over the ranks with `op` (sum | min | max), in place.
+    CPU tensors (counters, metrics) make a round trip through the GPU under nccl."""
     if ranks.distributed:
         import torch.distributed as dist
 
+        moved = values.to(collective_device(dist.get_backend(), values.device))
         with _together():
-            dist.all_reduce(values, op=getattr(dist.ReduceOp, _OPS[op]))
+            dist.all_reduce(moved, op=getattr(dist.ReduceOp, _OPS[op]))
+        if moved is not values:
+            values.copy_(moved)
     return values
 
 

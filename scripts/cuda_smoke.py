@@ -9,12 +9,21 @@ temporary directory and
    only the fp32 LoRA weights, and starts on-policy.
 It prints a JSON summary and exits 1 on a failed check. Without CUDA it prints why it skipped
 and exits 0.
+
+`--processes N` (`make cuda-smoke-multi`) checks the multi-GPU path instead: two rounds of
+`creditflow train` on the tiny SD3 in a temporary project, once in one process and once under
+`accelerate launch` with N processes over nccl (one GPU each), must give the same LoRA weights
+and per-round metrics, with a prompt group split between ranks. It skips (exit 0) with fewer
+than N GPUs; `--device cpu` runs the same comparison over gloo, to check the harness on CPU.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +36,11 @@ sys.path.insert(0, str(REPO))  # the package, whatever the cwd
 
 ODE_TOLERANCE = 1e-3  # fp32 on GPU: cuDNN may use TF32 convolutions in the patch embedding
 RATIO_TOLERANCE = 0.05  # bf16: rollout and update batch rows differently
+# fp32 with N ranks summing the same gradients in another order (CPU: 5e-5 seen); on the GPU
+# cuDNN may also use TF32 convolutions, as for ODE_TOLERANCE
+MULTI_TOLERANCE = {"cpu": 1e-4, "cuda": 1e-3}
+TRAIN = ("train", "--method", "stepwise", "--seed", "0")
+RUN_DIR = Path("data/train/stepwise-s0")
 
 
 def ode_matches_pipeline(sd3_dir: Path) -> float:
@@ -136,7 +150,101 @@ def grpo_round(root: Path, sd3_dir: Path, clip_dir: Path) -> dict[str, float]:
     }
 
 
+def _train(project: Path, processes: int) -> float:
+    """`creditflow train` of `project` in one process or under `accelerate launch`; seconds."""
+    from pipeline.distributed import module_command
+
+    command, env = module_command(processes, "stages.cli", *TRAIN)
+    env |= {"PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=project, env=env, text=True, capture_output=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{processes}-process train failed:\n{done.stderr[-3000:]}")
+    return time.perf_counter() - start
+
+
+def multi_process_train(root: Path, processes: int, device: str) -> dict[str, float | str]:
+    """Two tiny-SD3 rounds trained by one process and by `processes` ranks; their differences."""
+    import yaml
+    from safetensors.torch import load_file
+
+    from pipeline.config import apply_overrides, load_config
+    from pipeline.sd3_tiny import tiny_round_overrides, write_tiny_clip, write_tiny_sd3
+    from stages.flows import run_stage
+
+    sd3_dir, clip_dir = write_tiny_sd3(root), write_tiny_clip(root / "clip")
+    # 12 trajectories a round, so over 2 ranks a prompt group is split; a dense reward, since
+    # the tiny CLIP's near-equal scores make the advantages amplify float noise
+    overrides = [
+        *tiny_round_overrides(sd3_dir, clip_dir),
+        f"model.device={device}",
+        "prompts.n_train=60",
+        "prompts.n_test=12",
+        "train.rounds=2",
+        "train.eval_every=0",
+        "rollout.prompts_per_round=3",
+        "rollout.group_size=4",
+        "update.minibatch_size=5",
+        "score.estimator=tweedie",
+        "score.rewards={brightness: 1.0}",
+    ]
+    params = apply_overrides(yaml.safe_load((REPO / "params.yaml").read_text()), overrides)
+    summary: dict[str, float | str] = {}
+    runs = {}
+    for n in (1, processes):
+        project = root / f"project-{n}"
+        project.mkdir()
+        (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        run_stage("prompts", load_config(project / "params.yaml"))
+        summary[f"train_s_{n}"] = _train(project, n)
+        runs[n] = project
+    rounds = [json.loads((runs[n] / "reports/train/stepwise-s0/rounds.json").read_text())
+              for n in (1, processes)]  # fmt: skip
+    gaps = {  # relative to max(1, |value|), as pytest.approx's rel and abs
+        f"{key} (round {one['round']})": abs(float(two[key]) - float(value))
+        / max(1.0, abs(float(value)))
+        for one, two in zip(*rounds, strict=True)
+        for key, value in one.items()
+        if isinstance(value, int | float) and not key.startswith(("perf/", "time/"))
+    }
+    summary["worst_metric"] = max(gaps, key=gaps.get)
+    summary["metric_max_rel_diff"] = gaps[summary["worst_metric"]]
+    lora = [load_file(runs[n] / RUN_DIR / "checkpoints/round-0001/lora.safetensors")
+            for n in (1, processes)]  # fmt: skip
+    summary["lora_max_abs_diff"] = max(
+        float((lora[1][name] - weight).abs().max()) for name, weight in lora[0].items()
+    )
+    summary["rounds"] = float(len(rounds[1]))
+    return summary
+
+
+def multi_gpu_main(processes: int, device: str) -> int:
+    if device == "cuda" and torch.cuda.device_count() < processes:
+        print(f"cuda-smoke: skipped, {processes} processes need {processes} GPUs, "
+              f"this machine has {torch.cuda.device_count()}")  # fmt: skip
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = multi_process_train(Path(tmp), processes, device)
+    print(json.dumps(summary, indent=2))
+    failed = [key for key in ("lora_max_abs_diff", "metric_max_rel_diff")
+              if not summary[key] <= MULTI_TOLERANCE[device]]  # fmt: skip
+    if summary["rounds"] != 2:
+        failed.append("rounds")
+    if failed:
+        print(f"cuda-smoke: FAILED {', '.join(failed)}")
+        return 1
+    print(f"cuda-smoke: ok, {processes} processes train what one does")
+    return 0
+
+
 def main() -> int:
+    os.environ.setdefault("CREDITFLOW_ORCHESTRATION", "inline")  # no Prefect server for `prompts`
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--processes", type=int, default=1, help="> 1: the multi-GPU check")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args()
+    if args.processes > 1:
+        return multi_gpu_main(args.processes, args.device)
     if not torch.cuda.is_available():
         print("cuda-smoke: skipped, no CUDA device on this machine")
         return 0

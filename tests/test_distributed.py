@@ -5,9 +5,7 @@ GRPO update across ranks against one process."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +38,13 @@ def test_one_process_is_single_and_never_starts_torch_distributed(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+def test_nccl_collectives_take_cpu_tensors_to_this_ranks_gpu_and_gloo_leaves_them(monkeypatch):
+    cpu = torch.device("cpu")
+    assert distributed.collective_device("gloo", cpu) == cpu
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert distributed.collective_device("nccl", cpu) == torch.device("cuda", 1)
+
+
 @pytest.mark.parametrize("kind", ["flow_grpo", "stepwise"])
 def test_sharded_rollout_draws_the_noise_one_process_draws(kind):
     """Each shard of a rollout (`noise_rows`) samples exactly the rows one process samples."""
@@ -65,27 +70,9 @@ def test_sharded_rollout_draws_the_noise_one_process_draws(kind):
         run(x_T[:3], (6, slice(0, 4)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(processes: int, *args: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    if processes == 1:
-        command = [sys.executable, "-m", WORKER]
-    else:
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-            "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "--main_process_port", str(_free_port()), "--module", WORKER,
-        ]  # fmt: skip
-    return subprocess.run(
-        [*command, *map(str, args)], env=env, capture_output=True, text=True, timeout=300,
-        cwd=REPO,
-    )  # fmt: skip
+    command, env = distributed.module_command(processes, WORKER, *map(str, args))
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
 def _with_overrides(project: Path, *overrides: str) -> Path:
@@ -159,16 +146,8 @@ def test_multiprocess_update_and_group_credit_equal_one_process(tiny_project, tm
 def _command(processes: int, *args: str) -> tuple[list[str], dict[str, str]]:
     """`creditflow ARGS` (module `stages.cli` of this checkout), alone or under `accelerate
     launch`, and its environment."""
-    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
-    env |= {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
-    launcher = [sys.executable, "-m"]
-    if processes > 1:
-        launcher += [
-            "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--main_process_port", str(_free_port()), "--module",
-        ]  # fmt: skip
-    return [*launcher, "stages.cli", *args], env
+    command, env = distributed.module_command(processes, "stages.cli", *args)
+    return command, env | {"PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
 
 
 TRAIN = ("train", "--method", "stepwise", "--seed", "0")  # the run every multi-process test trains
@@ -267,7 +246,6 @@ def _kill_9_mid_run(project: Path, log: Path, victim: str, past_round: int) -> t
     """Launch a long 2-process train of `project`, SIGKILL `victim` (`launcher` | `rank 1`)
     once round `past_round` is checkpointed, check that no rank outlives the job and that every
     round directory left is a complete checkpoint; the rounds done and the job's stderr."""
-    import os
     import signal
     import time
 
