@@ -134,10 +134,14 @@ class BaseParams(Section):
     ae_batch_size: PositiveInt = 32
     ae_object_weight: PositiveFloat = 4.0  # object pixels' weight in the reconstruction loss
     ae_kl_weight: Annotated[float, Field(ge=0)] = 1e-6
+    # the denoiser: SD3's MMDiT (patch_size, num_layers, num_heads, head_dim) or an SD-style
+    # UNet (unet_channels; convolutions, cross-attention at the coarsest level)
+    denoiser: Literal["mmdit", "unet"] = "mmdit"
     patch_size: PositiveInt = 2  # transformer patch side, in latent pixels
     num_layers: PositiveInt = 4  # MMDiT blocks
     num_heads: PositiveInt = 4
     head_dim: PositiveInt = 32
+    unet_channels: list[PositiveInt] = [32, 64]  # UNet widths per resolution level (x16)
     text_dim: PositiveInt = 64  # tiny CLIP text encoder width (trained jointly)
     text_layers: PositiveInt = 2
     text_heads: PositiveInt = 2

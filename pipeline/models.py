@@ -4,7 +4,8 @@ A backend bundles what the sampler, the rollout cache and the GRPO update need f
 text-to-image flow model, so that the same code drives the embedded CPU model and SD3.5-M:
 
 - ``transformer``: the denoiser, a diffusers ``SD3Transformer2DModel`` (LoRA goes here; its
-  attention projections carry the same names as in SD3.5, see ``LORA_TARGET_MODULES``);
+  attention projections carry the same names as in SD3.5, see ``LORA_TARGET_MODULES``), or for
+  ShapesWorld optionally a ``UNet2DConditionModel`` (``ShapesConfig.denoiser``);
 - ``latent_shape``: the (C, H, W) shape of the state x the sampler moves;
 - ``encode_prompts``: prompts -> ``PromptEmbeds`` (token states + pooled vector), cached;
 - ``velocity``: v_theta(x, sigma, c) with classifier-free guidance in one batched forward;
@@ -18,8 +19,11 @@ The embedded backend (``ShapesBackend``) pairs a word-level tokenizer (``tokeniz
 wrapped in ``PreTrainedTokenizerFast``) and a tiny ``CLIPTextModelWithProjection`` (its last hidden
 states are the token embeddings, its projected EOS state the pooled vector) with a tiny
 ``SD3Transformer2DModel`` acting in the latent space of a tiny ``AutoencoderKL`` (or directly on
-pixels, x = 2 * img - 1, when ``ShapesConfig.latent_channels`` is 0). Nothing is downloaded: all
-parts are built from configs and trained by ``pipeline.pretrain``.
+pixels, x = 2 * img - 1, when ``ShapesConfig.latent_channels`` is 0). The UNet alternative
+(SD 1.x/SDXL layout: convolutional levels, cross-attention to the token states at the coarsest,
+the pooled vector added to the timestep embedding) draws thin shapes the tiny MMDiT cannot
+(reports/base/choice.md). Nothing is downloaded: all parts are built from configs and trained
+by ``pipeline.pretrain``.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, SD3Transformer2DModel
+from diffusers import AutoencoderKL, SD3Transformer2DModel, UNet2DConditionModel
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.normalizers import Lowercase
@@ -50,6 +54,8 @@ LORA_TARGET_MODULES = [
     "attn.add_v_proj",
     "attn.to_add_out",
 ]
+# The UNet's self- and cross-attention projections (attn1, attn2 of each transformer block).
+UNET_LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[BOS]", "eos": "[EOS]"}
 BACKEND_FILE = "backend.json"
 
@@ -119,8 +125,10 @@ class ShapesConfig:
     latent_channels: channels of the autoencoder latent; 0 = no autoencoder (pixel space).
     ae_channels: widths of the autoencoder's resolution levels; the latent side is
         image_size / 2**(len(ae_channels) - 1).
+    denoiser: "mmdit" (SD3Transformer2DModel) or "unet" (UNet2DConditionModel).
     patch_size: transformer patch side in latent (or pixel) units; tokens = (side / patch)**2.
     num_layers, num_heads, head_dim: MMDiT depth and attention shape (width = heads * head_dim).
+    unet_channels: UNet widths per resolution level (multiples of 16, the group-norm groups).
     text_dim, text_layers, text_heads: tiny CLIP text encoder; ``text_dim`` is also the pooled size.
     max_length: tokens per prompt including [BOS]/[EOS], padded with [PAD].
     vocab: words of the tokenizer, special tokens excluded.
@@ -129,10 +137,12 @@ class ShapesConfig:
     image_size: int = 32
     latent_channels: int = 4
     ae_channels: tuple[int, ...] = (32, 64)
+    denoiser: str = "mmdit"
     patch_size: int = 2
     num_layers: int = 4
     num_heads: int = 4
     head_dim: int = 32
+    unet_channels: tuple[int, ...] = (32, 64)
     text_dim: int = 64
     text_layers: int = 2
     text_heads: int = 2
@@ -217,6 +227,31 @@ def build_transformer(config: ShapesConfig) -> SD3Transformer2DModel:
     )
 
 
+def build_unet(config: ShapesConfig) -> UNet2DConditionModel:
+    """Tiny SD-style UNet: one ResNet block per level, cross-attention to the token states at the
+    coarsest level, the pooled text vector projected into the timestep embedding (as SDXL)."""
+    channels, side, _ = config.latent_shape
+    plain = len(config.unet_channels) - 1
+    return UNet2DConditionModel(
+        sample_size=side,
+        in_channels=channels,
+        out_channels=channels,
+        down_block_types=("DownBlock2D",) * plain + ("CrossAttnDownBlock2D",),
+        up_block_types=("CrossAttnUpBlock2D",) + ("UpBlock2D",) * plain,
+        block_out_channels=tuple(config.unet_channels),
+        layers_per_block=1,
+        cross_attention_dim=config.text_dim,
+        attention_head_dim=8,  # diffusers' legacy name: the number of heads
+        norm_num_groups=16,
+        class_embed_type="projection",
+        projection_class_embeddings_input_dim=config.text_dim,
+    )
+
+
+def build_denoiser(config: ShapesConfig) -> SD3Transformer2DModel | UNet2DConditionModel:
+    return build_unet(config) if config.denoiser == "unet" else build_transformer(config)
+
+
 def build_autoencoder(config: ShapesConfig) -> AutoencoderKL | None:
     """Tiny KL autoencoder (SD3's VAE architecture, scaled down); None in pixel space.
 
@@ -282,18 +317,17 @@ class GuidedVelocity:
 class ShapesBackend(GuidedVelocity):
     """The embedded ShapesWorld text-to-image flow model (see the module docstring).
 
-    Attributes: tokenizer, text_encoder (CLIPTextModelWithProjection), transformer
-    (SD3Transformer2DModel), autoencoder (AutoencoderKL or None), config (ShapesConfig).
+    Attributes: tokenizer, text_encoder (CLIPTextModelWithProjection), transformer (the
+    denoiser: SD3Transformer2DModel or UNet2DConditionModel), autoencoder (AutoencoderKL or
+    None), config (ShapesConfig).
     """
-
-    lora_target_modules: list[str] = LORA_TARGET_MODULES
 
     def __init__(
         self,
         config: ShapesConfig,
         tokenizer: PreTrainedTokenizerFast,
         text_encoder: CLIPTextModelWithProjection,
-        transformer: SD3Transformer2DModel,
+        transformer: SD3Transformer2DModel | UNet2DConditionModel,
         autoencoder: AutoencoderKL | None,
     ):
         self.config = config
@@ -313,13 +347,19 @@ class ShapesBackend(GuidedVelocity):
         torch.manual_seed(seed)
         tokenizer = build_tokenizer(config.vocab, config.max_length)
         text_encoder = build_text_encoder(config, tokenizer)
-        transformer = build_transformer(config)
+        transformer = build_denoiser(config)
         autoencoder = build_autoencoder(config)
         return cls(config, tokenizer, text_encoder, transformer, autoencoder)
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
         return self.config.latent_shape
+
+    @property
+    def lora_target_modules(self) -> list[str]:
+        if self.config.denoiser == "unet":
+            return UNET_LORA_TARGET_MODULES
+        return LORA_TARGET_MODULES
 
     @property
     def modules(self) -> dict[str, torch.nn.Module]:
@@ -367,6 +407,15 @@ class ShapesBackend(GuidedVelocity):
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         """One transformer call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32."""
         dtype = self.transformer.dtype
+        if self.config.denoiser == "unet":
+            out = self.transformer(
+                x.to(dtype),
+                sigma.to(dtype) * 1000.0,
+                encoder_hidden_states=embeds.hidden.to(dtype),
+                class_labels=embeds.pooled.to(dtype),
+                return_dict=False,
+            )[0]
+            return out.float()
         out = self.transformer(
             hidden_states=x.to(dtype),
             encoder_hidden_states=embeds.hidden.to(dtype),
@@ -410,11 +459,13 @@ class ShapesBackend(GuidedVelocity):
         """Load what ``save_pretrained`` wrote; modules in eval mode, fp32."""
         directory = Path(directory)
         fields = json.loads((directory / BACKEND_FILE).read_text())
-        fields["ae_channels"] = tuple(fields["ae_channels"])
+        for key in ("ae_channels", "unet_channels"):  # (a model saved before UNets: MMDiT)
+            fields[key] = tuple(fields.get(key, getattr(ShapesConfig, key)))
         config = ShapesConfig(**fields)
         tokenizer = PreTrainedTokenizerFast.from_pretrained(directory / "tokenizer")
         text_encoder = CLIPTextModelWithProjection.from_pretrained(directory / "text_encoder")
-        transformer = SD3Transformer2DModel.from_pretrained(directory / "transformer")
+        denoiser = UNet2DConditionModel if config.denoiser == "unet" else SD3Transformer2DModel
+        transformer = denoiser.from_pretrained(directory / "transformer")
         autoencoder = None
         if config.latent_channels:
             autoencoder = AutoencoderKL.from_pretrained(directory / "vae")

@@ -308,7 +308,9 @@ def _resume(directory: Path, arguments: dict) -> tuple[ShapesBackend, dict]:
     with these arguments (ValueError naming the differences otherwise)."""
     history = json.loads((directory / HISTORY_FILE).read_text())
     ignored = _REFINE_ARGS | _NON_MODEL_ARGS
-    made = {k: v for k, v in history["params"].items() if k not in ignored}
+    # a setting the history lacks was added after it was written: it had the default's effect
+    made = BaseParams().model_dump(exclude=ignored | _NOT_PRETRAIN_PARAMS)
+    made |= {k: v for k, v in history["params"].items() if k not in ignored}
     wanted = json.loads(json.dumps({k: v for k, v in arguments.items() if k not in ignored}))
     differing = sorted(k for k in made.keys() | wanted.keys() if made.get(k) != wanted.get(k))
     if differing or history["params"].get("refine_steps", 0):
@@ -333,11 +335,13 @@ def _first_cycle(
     config = ShapesConfig(
         image_size=image_size,
         ae_channels=tuple(a["ae_channels"]),
+        unet_channels=tuple(a["unet_channels"]),
         vocab=vocabulary([m["prompt"] for m in prompts] + _world_prompts()),
         **{
             k: a[k]
             for k in (
                 "latent_channels",
+                "denoiser",
                 "patch_size",
                 "num_layers",
                 "num_heads",

@@ -65,8 +65,7 @@ TINY = [
 ]
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
+def _tiny_model(tmp_path_factory, **overrides) -> Path:
     """A randomly initialised, saved ShapesBackend small enough for unit tests."""
     from pipeline import world
     from pipeline.models import ShapesBackend, ShapesConfig, vocabulary
@@ -83,10 +82,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
         text_dim=16,
         text_layers=1,
         text_heads=2,
+        **overrides,
     )
     path = tmp_path_factory.mktemp("tiny") / "model"
     ShapesBackend.from_config(config, seed=0).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return _tiny_model(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_unet_dir(tmp_path_factory) -> Path:
+    """The tiny backend with the UNet denoiser instead of the MMDiT."""
+    return _tiny_model(tmp_path_factory, denoiser="unet", unet_channels=(16, 32))
 
 
 @pytest.fixture

@@ -46,8 +46,10 @@ def test_kl_to_reference_by_hand():
 
 
 @pytest.fixture
-def tiny(tiny_project):
-    cfg = load_config(tiny_project / "params.yaml")
+def tiny(request, tiny_project, tiny_unet_dir):
+    """A rollout of the tiny policy: the MMDiT, or the UNet where a test asks for "unet"."""
+    unet = [f"model.path={tiny_unet_dir}"] if getattr(request, "param", "") == "unet" else []
+    cfg = load_config(tiny_project / "params.yaml", unet)
     policy = Policy.create(cfg)
     schedule = rounds.Schedule.from_config(cfg)
     prompts = load_prompts(cfg, "train")
@@ -70,6 +72,7 @@ def _batch(policy, result, schedule, advantages):
     )
 
 
+@pytest.mark.parametrize("tiny", ["mmdit", "unet"], indirect=True)
 def test_recomputed_log_probs_are_on_policy_for_every_step(tiny):
     cfg, policy, schedule, result = tiny
     n, k = result.num_trajectories, schedule.steps.numel()
@@ -84,6 +87,7 @@ def test_recomputed_log_probs_are_on_policy_for_every_step(tiny):
     assert (ratio - 1).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("tiny", ["mmdit", "unet"], indirect=True)
 def test_update_changes_only_lora_and_reference_stays_base(tiny):
     cfg, policy, schedule, result = tiny
     transformer = policy.backend.transformer

@@ -1,11 +1,15 @@
 """The embedded ShapesWorld backend and its pretraining: interface contracts and invariants."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel, UNet2DConditionModel
 
 from pipeline.config import BaseParams
 from pipeline.models import (
+    BACKEND_FILE,
     LORA_TARGET_MODULES,
     PromptEmbeds,
     ShapesBackend,
@@ -13,7 +17,14 @@ from pipeline.models import (
     build_tokenizer,
     vocabulary,
 )
-from pipeline.pretrain import EMA, flow_matching_loss, logit_normal_t, lr_factor, pretrain_base
+from pipeline.pretrain import (
+    EMA,
+    HISTORY_FILE,
+    flow_matching_loss,
+    logit_normal_t,
+    lr_factor,
+    pretrain_base,
+)
 from pipeline.world import make_prompts
 
 PROMPTS = [
@@ -43,11 +54,13 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_backend(latent_channels: int = 4, seed: int = 0) -> ShapesBackend:
+def tiny_backend(latent_channels: int = 4, seed: int = 0, denoiser: str = "mmdit") -> ShapesBackend:
     config = ShapesConfig(
         latent_channels=latent_channels,
         patch_size=2 if latent_channels else 4,
         vocab=vocabulary(PROMPTS),
+        denoiser=denoiser,
+        unet_channels=(16, 32),
         **TINY,
     )
     return ShapesBackend.from_config(config, seed=seed).eval()
@@ -80,13 +93,15 @@ def test_tokenizer_ids_padding_and_unknown_words():
     assert ids == [[2, 4, 6, 5, 3, 0], [2, 4, 1, 5, 3, 0]]
 
 
-def test_latent_shape_and_lora_targets_exist_in_transformer():
-    backend = tiny_backend()
+@pytest.mark.parametrize("denoiser", ["mmdit", "unet"])
+def test_latent_shape_and_lora_targets_exist_in_the_denoiser(denoiser):
+    backend = tiny_backend(denoiser=denoiser)
     assert backend.latent_shape == (4, 8, 8)
-    assert tiny_backend(latent_channels=0).latent_shape == (3, 16, 16)
+    assert tiny_backend(latent_channels=0, denoiser=denoiser).latent_shape == (3, 16, 16)
     names = {n for n, _ in backend.transformer.named_modules()}
-    for target in LORA_TARGET_MODULES:
+    for target in backend.lora_target_modules:
         assert any(n.endswith(target) for n in names), target
+    assert (backend.lora_target_modules == LORA_TARGET_MODULES) == (denoiser == "mmdit")
 
 
 def test_pooled_is_projected_eos_state():
@@ -148,8 +163,9 @@ def test_guidance_combines_cond_and_uncond_branches():
     torch.testing.assert_close(v_guided, v_uncond + 4.5 * (v_cond - v_uncond), rtol=1e-5, atol=1e-5)
 
 
-def test_save_load_round_trip_gives_identical_outputs(tmp_path):
-    backend = tiny_backend()
+@pytest.mark.parametrize("denoiser", ["mmdit", "unet"])
+def test_save_load_round_trip_gives_identical_outputs(tmp_path, denoiser):
+    backend = tiny_backend(denoiser=denoiser)
     perturb_(backend.transformer)
     backend.save_pretrained(tmp_path)
     loaded = ShapesBackend.from_pretrained(tmp_path)
@@ -163,6 +179,18 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path):
     for got, want in zip(outputs(loaded), outputs(backend), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert loaded.config == backend.config
+    assert type(loaded.transformer) is type(backend.transformer)
+
+
+def test_a_model_saved_before_the_denoiser_choice_loads_as_the_mmdit(tmp_path):
+    tiny_backend().save_pretrained(tmp_path)
+    fields = json.loads((tmp_path / BACKEND_FILE).read_text())
+    del fields["denoiser"], fields["unet_channels"]
+    (tmp_path / BACKEND_FILE).write_text(json.dumps(fields))
+    loaded = ShapesBackend.from_pretrained(tmp_path)
+    assert loaded.config.denoiser == "mmdit" and isinstance(
+        loaded.transformer, SD3Transformer2DModel
+    )
 
 
 def test_decode_range_and_pixel_space_inverse():
@@ -257,6 +285,18 @@ def test_pretrain_is_deterministic_and_snapshots_equal_shorter_runs(tmp_path):
     assert "triangle" in model.config.vocab and "four" in model.config.vocab
 
 
+def test_pretrain_trains_and_saves_the_unet_denoiser(tmp_path):
+    train, _ = make_prompts(24, 6, seed=0)
+    history = pretrain(
+        tmp_path, prompts=train, steps=2, batch_size=4, warmup=1, ae_steps=1, ae_batch_size=4,
+        denoiser="unet", unet_channels=(16, 32),
+        **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
+    )  # fmt: skip
+    model = ShapesBackend.from_pretrained(tmp_path)
+    assert isinstance(model.transformer, UNet2DConditionModel) and model.config.denoiser == "unet"
+    assert history["params"]["unet_channels"] == [16, 32] and all(np.isfinite(history["flow_loss"]))
+
+
 def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     train, _ = make_prompts(24, 6, seed=0)
     kwargs = dict(
@@ -266,6 +306,10 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     refine = dict(refine_steps=3, refine_lr=5e-4, refine_warmup=1)
     scratch = pretrain(tmp_path / "scratch", **kwargs, **refine)
     pretrain(tmp_path / "first", **kwargs)
+    # a first cycle saved before a setting existed resumes when the setting is at its default
+    history = json.loads((tmp_path / "first" / HISTORY_FILE).read_text())
+    del history["params"]["denoiser"], history["params"]["unet_channels"]
+    (tmp_path / "first" / HISTORY_FILE).write_text(json.dumps(history))
     resumed = pretrain(tmp_path / "resumed", resume_from=tmp_path / "first", **kwargs, **refine)
     assert resumed["flow_loss"] == scratch["flow_loss"] and len(scratch["flow_loss"]) == 6
     assert set(resumed["seconds"]) == {"autoencoder", "flow", "refine"}
@@ -280,6 +324,8 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     # a first cycle made with other arguments (or other scenes) is refused, naming the difference
     with pytest.raises(ValueError, match="seed"):
         pretrain(tmp_path / "x", resume_from=tmp_path / "first", **{**kwargs, "seed": 6})
+    with pytest.raises(ValueError, match="denoiser"):
+        pretrain(tmp_path / "u", resume_from=tmp_path / "first", **kwargs, denoiser="unet")
     with pytest.raises(ValueError, match="prompts_sha256"):
         pretrain(
             tmp_path / "y", resume_from=tmp_path / "first", **{**kwargs, "prompts": train[:-1]}
