@@ -56,6 +56,7 @@ LORA_TARGET_MODULES = [
 ]
 # The UNet's self- and cross-attention projections (attn1, attn2 of each transformer block).
 UNET_LORA_TARGET_MODULES = ["to_q", "to_k", "to_v", "to_out.0"]
+UNET_GROUPS = 16  # group-norm groups of the UNet, so its widths are multiples of 16
 SPECIAL_TOKENS = {"pad": "[PAD]", "unk": "[UNK]", "bos": "[BOS]", "eos": "[EOS]"}
 BACKEND_FILE = "backend.json"
 
@@ -230,6 +231,11 @@ def build_transformer(config: ShapesConfig) -> SD3Transformer2DModel:
 def build_unet(config: ShapesConfig) -> UNet2DConditionModel:
     """Tiny SD-style UNet: one ResNet block per level, cross-attention to the token states at the
     coarsest level, the pooled text vector projected into the timestep embedding (as SDXL)."""
+    if any(width % UNET_GROUPS for width in config.unet_channels):
+        raise ValueError(
+            f"unet_channels must be multiples of {UNET_GROUPS} (its group norms' groups), "
+            f"got {list(config.unet_channels)}"
+        )
     channels, side, _ = config.latent_shape
     plain = len(config.unet_channels) - 1
     return UNet2DConditionModel(
@@ -242,7 +248,7 @@ def build_unet(config: ShapesConfig) -> UNet2DConditionModel:
         layers_per_block=1,
         cross_attention_dim=config.text_dim,
         attention_head_dim=8,  # diffusers' legacy name: the number of heads
-        norm_num_groups=16,
+        norm_num_groups=UNET_GROUPS,
         class_embed_type="projection",
         projection_class_embeddings_input_dim=config.text_dim,
     )
@@ -405,7 +411,7 @@ class ShapesBackend(GuidedVelocity):
 
     # ---- denoiser ---------------------------------------------------------------------------
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
-        """One transformer call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32."""
+        """One denoiser call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32."""
         dtype = self.transformer.dtype
         if self.config.denoiser == "unet":
             out = self.transformer(

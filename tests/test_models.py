@@ -15,6 +15,7 @@ from pipeline.models import (
     ShapesBackend,
     ShapesConfig,
     build_tokenizer,
+    build_unet,
     vocabulary,
 )
 from pipeline.pretrain import (
@@ -180,6 +181,11 @@ def test_save_load_round_trip_gives_identical_outputs(tmp_path, denoiser):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert loaded.config == backend.config
     assert type(loaded.transformer) is type(backend.transformer)
+
+
+def test_unet_widths_that_its_group_norms_cannot_split_are_one_clear_error():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        build_unet(ShapesConfig(vocab=["a"], denoiser="unet", unet_channels=(16, 24)))
 
 
 def test_a_model_saved_before_the_denoiser_choice_loads_as_the_mmdit(tmp_path):
