@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -150,16 +149,16 @@ def grpo_round(root: Path, sd3_dir: Path, clip_dir: Path) -> dict[str, float]:
     }
 
 
-def _train(project: Path, processes: int) -> float:
-    """`creditflow train` of `project` in one process or under `accelerate launch`; seconds."""
+def _creditflow(project: Path, processes: int, *args: str) -> float:
+    """`creditflow ARGS` in `project`, in one process or under `accelerate launch`; seconds."""
     from pipeline.distributed import module_command
 
-    command, env = module_command(processes, "stages.cli", *TRAIN)
+    command, env = module_command(processes, "stages.cli", *args)
     env |= {"PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "inline"}
     start = time.perf_counter()
     done = subprocess.run(command, cwd=project, env=env, text=True, capture_output=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{processes}-process train failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"{processes}-process {args[0]} failed:\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
 
 
@@ -168,9 +167,8 @@ def multi_process_train(root: Path, processes: int, device: str) -> dict[str, fl
     import yaml
     from safetensors.torch import load_file
 
-    from pipeline.config import apply_overrides, load_config
+    from pipeline.config import apply_overrides
     from pipeline.sd3_tiny import tiny_round_overrides, write_tiny_clip, write_tiny_sd3
-    from stages.flows import run_stage
 
     sd3_dir, clip_dir = write_tiny_sd3(root), write_tiny_clip(root / "clip")
     # 12 trajectories a round, so over 2 ranks a prompt group is split; a dense reward, since
@@ -195,8 +193,8 @@ def multi_process_train(root: Path, processes: int, device: str) -> dict[str, fl
         project = root / f"project-{n}"
         project.mkdir()
         (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        run_stage("prompts", load_config(project / "params.yaml"))
-        summary[f"train_s_{n}"] = _train(project, n)
+        _creditflow(project, 1, "prompts")
+        summary[f"train_s_{n}"] = _creditflow(project, n, *TRAIN)
         runs[n] = project
     rounds = [json.loads((runs[n] / "reports/train/stepwise-s0/rounds.json").read_text())
               for n in (1, processes)]  # fmt: skip
@@ -238,7 +236,6 @@ def multi_gpu_main(processes: int, device: str) -> int:
 
 
 def main() -> int:
-    os.environ.setdefault("CREDITFLOW_ORCHESTRATION", "inline")  # no Prefect server for `prompts`
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--processes", type=int, default=1, help="> 1: the multi-GPU check")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
