@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import mlflow
 
@@ -62,10 +63,20 @@ def fake_server(owner: int) -> subprocess.Popen:
     )
 
 
+def wait_for_exec(pid: int, timeout_s: float = 30.0) -> None:
+    """Until `pid` runs its own command line (a loaded machine can take seconds to exec)."""
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    deadline = time.monotonic() + timeout_s
+    while SERVER_MARK not in cmdline.read_bytes():
+        assert time.monotonic() < deadline, f"process {pid} did not exec in {timeout_s} s"
+        time.sleep(0.05)
+
+
 def test_an_orphaned_prefect_server_is_stopped_and_a_live_owners_left_alone():
     orphan, owned = fake_server(dead_pid()), fake_server(os.getpid())
     try:
-        time.sleep(0.5)  # let both exec (their /proc cmdline and environ are then final)
+        for process in (orphan, owned):  # exec'd: /proc cmdline and environ are final
+            wait_for_exec(process.pid)
         stopped = stop_orphan_prefect_servers(grace_s=5)
         assert orphan.pid in stopped and owned.pid not in stopped
         assert orphan.wait(timeout=10) is not None
