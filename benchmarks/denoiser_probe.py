@@ -32,8 +32,7 @@ from pipeline.io import atomic_path
 from pipeline.models import ShapesBackend, build_denoiser, build_text_encoder
 from pipeline.pretrain import (
     _batches,
-    flow_matching_loss,
-    logit_normal_t,
+    flow_step,
     lr_factor,
     pretrain_pool,
     tail_mean,
@@ -75,19 +74,14 @@ def train_for(backend: ShapesBackend, cfg, minutes: float, seed: int) -> tuple[i
         for group in optimizer.param_groups:
             group["lr"] = recipe.lr * lr_factor(len(losses), recipe.warmup)
         metas = draw()
-        with torch.no_grad():
-            x0 = backend.encode(render_batch(metas, rng, cfg.world.image_size).float())
-        dropped = torch.rand(len(metas), generator=noise) < recipe.caption_dropout
-        captions = ["" if d else m["prompt"] for m, d in zip(metas, dropped.tolist(), strict=True)]
-        t = logit_normal_t(len(metas), recipe.t_mean, recipe.t_std, noise)
-        loss = flow_matching_loss(
-            backend, x0, backend.tokenize(captions), t, torch.randn(x0.shape, generator=noise)
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
+        images = render_batch(metas, rng, cfg.world.image_size).float()
+        losses.append(
+            flow_step(
+                backend, optimizer, params, metas, images, noise,
+                caption_dropout=recipe.caption_dropout, t_mean=recipe.t_mean,
+                t_std=recipe.t_std, grad_clip=recipe.grad_clip,
+            )
+        )  # fmt: skip
     backend.eval()
     backend.clear_cache()
     return len(losses), losses

@@ -413,23 +413,19 @@ class ShapesBackend(GuidedVelocity):
     def _forward(self, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         """One denoiser call: x (B, C, H, W), sigma (B,) -> v (B, C, H, W) fp32."""
         dtype = self.transformer.dtype
-        if self.config.denoiser == "unet":
+        x, timestep = x.to(dtype), sigma.to(dtype) * 1000.0
+        hidden, pooled = embeds.hidden.to(dtype), embeds.pooled.to(dtype)
+        if self.config.denoiser == "unet":  # the pooled vector enters as UNet class embedding
+            out = self.transformer(x, timestep, hidden, class_labels=pooled, return_dict=False)
+        else:
             out = self.transformer(
-                x.to(dtype),
-                sigma.to(dtype) * 1000.0,
-                encoder_hidden_states=embeds.hidden.to(dtype),
-                class_labels=embeds.pooled.to(dtype),
+                hidden_states=x,
+                encoder_hidden_states=hidden,
+                pooled_projections=pooled,
+                timestep=timestep,
                 return_dict=False,
-            )[0]
-            return out.float()
-        out = self.transformer(
-            hidden_states=x.to(dtype),
-            encoder_hidden_states=embeds.hidden.to(dtype),
-            pooled_projections=embeds.pooled.to(dtype),
-            timestep=sigma.to(dtype) * 1000.0,
-            return_dict=False,
-        )[0]
-        return out.float()
+            )
+        return out[0].float()
 
     # ---- pixels <-> states --------------------------------------------------------------------
     def encode(self, images: torch.Tensor) -> torch.Tensor:

@@ -432,6 +432,36 @@ def _save(backend: ShapesBackend, directory: Path, history: dict) -> None:
     (directory / HISTORY_FILE).write_text(json.dumps(history) + "\n")
 
 
+def flow_step(
+    backend: ShapesBackend,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    metas: list[dict],
+    images: torch.Tensor,
+    noise_gen: torch.Generator,
+    *,
+    caption_dropout: float,
+    t_mean: float,
+    t_std: float,
+    grad_clip: float,
+) -> float:
+    """One rectified-flow optimizer step of `params` on `metas` and their renders `images`
+    (B, 3, H, W): captions dropped with probability `caption_dropout`, logit-normal t; returns
+    the loss."""
+    with torch.no_grad():
+        x0 = backend.encode(images)  # (B, C, h, w)
+    drop = torch.rand(len(metas), generator=noise_gen) < caption_dropout
+    captions = ["" if d else m["prompt"] for m, d in zip(metas, drop.tolist(), strict=True)]
+    t = logit_normal_t(len(metas), t_mean, t_std, noise_gen)
+    noise = torch.randn(x0.shape, generator=noise_gen)
+    loss = flow_matching_loss(backend, x0, backend.tokenize(captions), t, noise)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
 def _train_flow(
     backend: ShapesBackend,
     draw_metas: Callable[[], list[dict]],
@@ -467,19 +497,12 @@ def _train_flow(
         for group in optimizer.param_groups:
             group["lr"] = lr * lr_factor(step, warmup, decay_steps)
         metas = draw_metas()
-        with torch.no_grad():
-            x0 = backend.encode(render(metas))  # (B, C, h, w)
-        drop = torch.rand(len(metas), generator=noise_gen) < caption_dropout
-        captions = ["" if d else m["prompt"] for m, d in zip(metas, drop.tolist(), strict=True)]
-        t = logit_normal_t(len(metas), t_mean, t_std, noise_gen)
-        noise = torch.randn(x0.shape, generator=noise_gen)
-        loss = flow_matching_loss(backend, x0, backend.tokenize(captions), t, noise)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-        optimizer.step()
+        loss = flow_step(
+            backend, optimizer, params, metas, render(metas), noise_gen,
+            caption_dropout=caption_dropout, t_mean=t_mean, t_std=t_std, grad_clip=grad_clip,
+        )  # fmt: skip
         ema.update()
-        losses.append(loss.item())
+        losses.append(loss)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", refresh=False)
         if snapshot_every and (step + 1) % snapshot_every == 0 and step + 1 < steps:
             with ema.applied():
