@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from pipeline.config import BaseParams  # noqa: E402
+
 RUN = r"""
 import glob, hashlib, sys, tempfile
 import torch
@@ -50,12 +53,23 @@ def main() -> None:
     report = {
         "what": "pretrain_base, full model size, whole world, 10 AE + 20 flow steps, fresh "
         "process per run (benchmarks/pretrain_determinism.py)",
-        "machine": platform.processor() or platform.machine(),
+        "denoiser": BaseParams().denoiser,
+        "machine": _cpu_model(),
         "runs": runs,
         "bit_identical_for_same_threads": same_threads,
     }
     path = REPO / "reports/base/determinism.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name and core count (Linux), else the platform's machine type."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{names[0]}, {len(names)} cores" if names else platform.machine()
 
 
 if __name__ == "__main__":

@@ -114,7 +114,7 @@ class BaseParams(Section):
     """`base` stage: pretrain the embedded flow model (and ShapesCLIP) on ShapesWorld renders."""
 
     pool: Literal["world", "train"] = "world"  # scenes to pretrain on (see stages/base.py)
-    steps: PositiveInt = 4800  # flow-matching optimizer steps
+    steps: PositiveInt = 3000  # flow-matching optimizer steps
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
     warmup: Annotated[int, Field(ge=0)] = 200  # linear lr warmup steps
@@ -136,7 +136,7 @@ class BaseParams(Section):
     ae_kl_weight: Annotated[float, Field(ge=0)] = 1e-6
     # the denoiser: SD3's MMDiT (patch_size, num_layers, num_heads, head_dim) or an SD-style
     # UNet (unet_channels; convolutions, cross-attention at the coarsest level)
-    denoiser: Literal["mmdit", "unet"] = "mmdit"
+    denoiser: Literal["mmdit", "unet"] = "unet"
     patch_size: PositiveInt = 2  # transformer patch side, in latent pixels
     num_layers: PositiveInt = 4  # MMDiT blocks
     num_heads: PositiveInt = 4
@@ -150,7 +150,7 @@ class BaseParams(Section):
     clip_batch_size: PositiveInt = 64
     clip_lr: PositiveFloat = 2e-3
     # stage `refine`: a second flow cycle from the first one's weights (a warm restart)
-    refine_steps: Annotated[int, Field(ge=0)] = 3000
+    refine_steps: Annotated[int, Field(ge=0)] = 0  # 0: the first cycle is the base model
     refine_lr: PositiveFloat = 5e-4
     refine_warmup: Annotated[int, Field(ge=0)] = 100
 
@@ -248,7 +248,7 @@ class TrainParams(Section):
 
     method: Method = "flow_grpo"  # what a plain `creditflow train` runs
     methods: list[Method] = ["flow_grpo", "stepwise", "tp_grpo"]  # the DVC matrix
-    seeds: list[int] = [0, 1]  # the DVC matrix
+    seeds: list[int] = [0, 1, 2]  # the DVC matrix
     seed: int = 0
     rounds: PositiveInt = 10  # rounds per run (the cap when nfe_budget is set)
     # equal compute: stop a run once its training NFEs reach this many (0 = off)

@@ -303,13 +303,18 @@ _FLOW_ARGS = (
 )
 
 
+# settings added after histories were first written, with the value that had effect before
+_BEFORE_THEIR_KEY = {"denoiser": "mmdit"}
+
+
 def _resume(directory: Path, arguments: dict) -> tuple[ShapesBackend, dict]:
     """Load the first cycle of an earlier run from ``directory`` after checking that it was made
     with these arguments (ValueError naming the differences otherwise)."""
     history = json.loads((directory / HISTORY_FILE).read_text())
     ignored = _REFINE_ARGS | _NON_MODEL_ARGS
-    # a setting the history lacks was added after it was written: it had the default's effect
-    made = BaseParams().model_dump(exclude=ignored | _NOT_PRETRAIN_PARAMS)
+    # a setting the history lacks was added after it was written: it had the effect of the
+    # default it was added with (the MMDiT), which a later default may differ from
+    made = BaseParams().model_dump(exclude=ignored | _NOT_PRETRAIN_PARAMS) | _BEFORE_THEIR_KEY
     made |= {k: v for k, v in history["params"].items() if k not in ignored}
     wanted = json.loads(json.dumps({k: v for k, v in arguments.items() if k not in ignored}))
     differing = sorted(k for k in made.keys() | wanted.keys() if made.get(k) != wanted.get(k))

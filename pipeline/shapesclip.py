@@ -83,7 +83,7 @@ def build_tokenizer():
 
     words = [*SPECIAL_TOKENS.values(), *TEMPLATE_WORDS, *world.NUMBER_WORDS, *world.COLORS]
     for shape in world.SHAPE_NAMES:
-        words += [shape, shape + "s"]
+        words += [shape, world.plural(shape)]
     vocab = {word: i for i, word in enumerate(dict.fromkeys(words))}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=SPECIAL_TOKENS["unk"]))
     tokenizer.normalizer = normalizers.Lowercase()

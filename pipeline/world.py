@@ -39,6 +39,7 @@ __all__ = [
     "degrade",
     "TEMPLATES",
     "make_prompts",
+    "plural",
     "prompt_for",
     "prompt_pool",
     "random_variant",
@@ -230,6 +231,11 @@ def template_of(meta: Mapping) -> int:
     return next((i for i, t in enumerate(TEMPLATES) if prompt.startswith(t + " ")), 0)
 
 
+def plural(noun: str) -> str:
+    """English plural of a shape name: "crosses", "circles"."""
+    return noun + ("es" if noun.endswith(("s", "x", "sh", "ch")) else "s")
+
+
 def prompt_for(meta: Mapping, template: int = 0) -> str:
     """GenEval's prompt for a metadata line, in wording `template` (TEMPLATES; 0 = GenEval's)."""
     tag, inc = meta["tag"], meta["include"]
@@ -239,7 +245,7 @@ def prompt_for(meta: Mapping, template: int = 0) -> str:
     if tag == "two_object":
         return f"{lead} {_article(inc[0]['class'])} and {_article(inc[1]['class'])}"
     if tag == "counting":
-        return f"{lead} {NUMBER_WORDS[inc[0]['count']]} {inc[0]['class']}s"
+        return f"{lead} {NUMBER_WORDS[inc[0]['count']]} {plural(inc[0]['class'])}"
     if tag == "colors":
         return f"{lead} {_article(inc[0]['color'])} {inc[0]['class']}"
     if tag == "position":  # include[1] stands in relation to include[0]

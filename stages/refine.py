@@ -39,12 +39,17 @@ def refine(cfg: Config) -> dict[str, float]:
         )
     losses = history["flow_loss"]
     metrics = {
-        "refine_loss_final": tail_mean(losses[cfg.base.steps :]),
         "refine_seconds": history["seconds"].get("refine", 0.0),
         "pretrain_seconds": sum(history["seconds"].values()),
     }
+    if cfg.base.refine_steps:  # refine_steps 0: the first cycle is the base model as it is
+        metrics["refine_loss_final"] = tail_mean(losses[cfg.base.steps :])
     write_json(report / "refine_metrics.json", metrics)
-    loss_curve(losses, report / "refine_loss.png", restart=cfg.base.steps)
+    loss_curve(
+        losses,
+        report / "refine_loss.png",
+        restart=cfg.base.steps if cfg.base.refine_steps else None,
+    )
     log_metrics({f"base/{k}": v for k, v in metrics.items()})
     log_artifact(report / "refine_loss.png")
     return metrics

@@ -307,12 +307,12 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     train, _ = make_prompts(24, 6, seed=0)
     kwargs = dict(
         prompts=train, steps=3, batch_size=4, warmup=1, ae_steps=2, ae_batch_size=4, seed=5,
-        progress=False, **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
+        progress=False, denoiser="mmdit", **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
     )  # fmt: skip
     refine = dict(refine_steps=3, refine_lr=5e-4, refine_warmup=1)
     scratch = pretrain(tmp_path / "scratch", **kwargs, **refine)
     pretrain(tmp_path / "first", **kwargs)
-    # a first cycle saved before a setting existed resumes when the setting is at its default
+    # a first cycle saved before the denoiser choice existed is the MMDiT's, whatever the default
     history = json.loads((tmp_path / "first" / HISTORY_FILE).read_text())
     del history["params"]["denoiser"], history["params"]["unet_channels"]
     (tmp_path / "first" / HISTORY_FILE).write_text(json.dumps(history))
@@ -331,7 +331,7 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
     with pytest.raises(ValueError, match="seed"):
         pretrain(tmp_path / "x", resume_from=tmp_path / "first", **{**kwargs, "seed": 6})
     with pytest.raises(ValueError, match="denoiser"):
-        pretrain(tmp_path / "u", resume_from=tmp_path / "first", **kwargs, denoiser="unet")
+        pretrain(tmp_path / "u", resume_from=tmp_path / "first", **{**kwargs, "denoiser": "unet"})
     with pytest.raises(ValueError, match="prompts_sha256"):
         pretrain(
             tmp_path / "y", resume_from=tmp_path / "first", **{**kwargs, "prompts": train[:-1]}

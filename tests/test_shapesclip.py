@@ -35,10 +35,11 @@ def test_tokenizer_wraps_words_and_fits_every_prompt(tokenizer):
     assert ids[0] == tokenizer.bos_token_id and ids[-1] == tokenizer.eos_token_id
     assert len(ids) == 8 and tokenizer.unk_token_id not in ids
     assert tokenizer("a photo of a hexagon")["input_ids"][-2] == tokenizer.unk_token_id
-    longest = max(
-        (m["prompt"] for tag in TAGS for m in world.prompt_pool(tag, shapes=world.SHAPE_NAMES)),
-        key=lambda p: len(p.split()),
-    )
+    prompts = [
+        m["prompt"] for tag in TAGS for m in world.prompt_pool(tag, shapes=world.SHAPE_NAMES)
+    ]
+    assert not any(tokenizer.unk_token_id in ids for ids in tokenizer(prompts)["input_ids"])
+    longest = max(prompts, key=lambda p: len(p.split()))
     assert len(tokenizer(longest)["input_ids"]) <= sc.MAX_TOKENS
 
 

@@ -49,11 +49,13 @@ def test_pool_sizes_and_templates():
         "a photo of a circle",
         "a photo of a circle and a square",
         "a photo of three circles",
+        "a photo of two crosses",
         "a photo of an orange triangle",
         "a photo of a circle left of a square",
         "a photo of a red circle and a blue square",
         "a photo of a star below a diamond",
     } <= prompts
+    assert not any("crosss" in p for p in prompts)
 
 
 def test_variants_word_and_order_one_scene():
