@@ -167,7 +167,7 @@ class SamplingParams(Section):
 class RolloutParams(Section):
     """`rollout` stage: G trajectories per prompt with the method's SDE."""
 
-    prompts_per_round: PositiveInt = 6
+    prompts_per_round: PositiveInt = 24
     group_size: Annotated[int, Field(ge=2)] = 8  # G, trajectories per prompt group
     sampler: Literal["auto", "flow_grpo", "cps", "stepwise"] = "auto"  # auto: the method's own SDE
     # Noise level per SDE: a of Flow-GRPO's SDE and of CPS, eta of the DDIM-style SDE (<= 1).
@@ -177,8 +177,8 @@ class RolloutParams(Section):
         "stepwise": 1.0,
     }
     window_start: Annotated[int, Field(ge=0)] = 0  # first stochastic step
-    window_end: int = -1  # one past the last stochastic step; -1 = all but the final step
-    shared_noise: bool = False  # all samples of a group start from the same x_T
+    window_end: int = 3  # one past the last stochastic step; -1 = all but the final step
+    shared_noise: bool = True  # all samples of a group start from the same x_T
 
     @field_validator("eta")
     @classmethod
@@ -229,13 +229,13 @@ class AdvantagesParams(Section):
 class UpdateParams(Section):
     """`update` stage: PPO-clip GRPO on LoRA weights."""
 
-    lr: PositiveFloat = 3e-4
+    lr: PositiveFloat = 1e-3
     lora_rank: PositiveInt = 8
     lora_alpha: PositiveFloat = 16.0
     clip_range: PositiveFloat = 1e-3  # PPO ratio clip; log-probs are means over elements
-    kl_beta: Annotated[float, Field(ge=0)] = 0.004
+    kl_beta: Annotated[float, Field(ge=0)] = 0.0
     inner_epochs: PositiveInt = 1
-    minibatch_size: PositiveInt = 32  # (trajectory, step) pairs per optimizer step
+    minibatch_size: PositiveInt = 576  # (trajectory, step) pairs per optimizer step
     # pairs per forward/backward on one process, gradients accumulated (0 = a rank's whole
     # share of the minibatch): memory, not the algorithm
     micro_batch_size: Annotated[int, Field(ge=0)] = 0
@@ -250,9 +250,9 @@ class TrainParams(Section):
     methods: list[Method] = ["flow_grpo", "stepwise", "tp_grpo"]  # the DVC matrix
     seeds: list[int] = [0, 1, 2]  # the DVC matrix
     seed: int = 0
-    rounds: PositiveInt = 10  # rounds per run (the cap when nfe_budget is set)
+    rounds: PositiveInt = 40  # rounds per run (the cap when nfe_budget is set)
     # equal compute: stop a run once its training NFEs reach this many (0 = off)
-    nfe_budget: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0
+    nfe_budget: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 99840
     keep_rollouts: Annotated[int, Field(ge=0)] = 3  # newest rounds whose states stay; 0 = all
     # held-out probe: GenEval on the test prompts every `eval_every` rounds (0 = off), before
     # round 0 and after the last round too; `probe_images` fixed-seed images per test prompt

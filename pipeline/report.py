@@ -320,12 +320,16 @@ def bootstrap_difference(
 
 
 def claim_text(name: str, claim: Mapping | None) -> str:
-    """One line: the difference, its CI and whether the CI excludes 0."""
+    """One line: the difference, its CI, whether the CI excludes 0 and, when the claim has them,
+    the compute it was measured at (the challenger's NFEs over the baseline's)."""
     if claim is None:
         return f"{name}: not measured"
     low, high = claim["ci95"]
     word = "separated" if claim["separated"] else "not separated (the CI covers 0)"
-    return f"{name}: {claim['diff']:+.3f} (95 % CI {low:+.3f} to {high:+.3f}), {word}"
+    text = f"{name}: {claim['diff']:+.3f} (95 % CI {low:+.3f} to {high:+.3f}), {word}"
+    if claim.get("nfe_ratio"):
+        text += f"; {claim['nfe']:,.0f} training NFEs, {claim['nfe_ratio']:.2f}× the baseline's"
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,14 +42,12 @@ def refine(cfg: Config) -> dict[str, float]:
         "refine_seconds": history["seconds"].get("refine", 0.0),
         "pretrain_seconds": sum(history["seconds"].values()),
     }
-    if cfg.base.refine_steps:  # refine_steps 0: the first cycle is the base model as it is
-        metrics["refine_loss_final"] = tail_mean(losses[cfg.base.steps :])
+    # refine_steps 0: the first cycle is the base model as it is, with no restart to mark
+    restart = cfg.base.steps if cfg.base.refine_steps else None
+    if restart is not None:
+        metrics["refine_loss_final"] = tail_mean(losses[restart:])
     write_json(report / "refine_metrics.json", metrics)
-    loss_curve(
-        losses,
-        report / "refine_loss.png",
-        restart=cfg.base.steps if cfg.base.refine_steps else None,
-    )
+    loss_curve(losses, report / "refine_loss.png", restart=restart)
     log_metrics({f"base/{k}": v for k, v in metrics.items()})
     log_artifact(report / "refine_loss.png")
     return metrics

@@ -60,6 +60,7 @@ TINY = [
     "sampling.eval_num_steps=4",
     "score.batch_size=64",
     "update.minibatch_size=8",
+    "update.kl_beta=0.004",  # the KL term on, so that every round exercises it (default: β 0)
     "train.rounds=2",
     "evaluate.images_per_prompt=1",
 ]

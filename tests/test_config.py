@@ -38,7 +38,7 @@ def test_every_section_of_params_yaml_is_a_config_field():
         ("train.roundz=3", "train.roundz: unknown key"),
         ("sampling.guidance=0.5", "sampling.guidance: input should be greater than or equal to 1"),
         ("rollout.sampler=ddim", "rollout.sampler: 'ddim' is not one of auto, flow_grpo, cps"),
-        ("rollout.window_start=10", "rollout.window_start..window_end selects steps [10, 9)"),
+        ("rollout.window_start=10", "rollout.window_start..window_end selects steps [10, 3)"),
         ("score.rewards={}", "score.rewards: needs at least one reward with a positive weight"),
         ("score.rewards={genevla: 1}", "score.rewards: 'genevla' is not one of geneval, "),
     ],
@@ -72,7 +72,8 @@ def test_missing_params_file_is_an_error(tmp_path):
 
 
 def test_window_end_counts_from_the_end_and_sampler_follows_method():
-    cfg = validate(apply_overrides({}, ["sampling.num_steps=6", "train.method=stepwise"]))
+    overrides = ["sampling.num_steps=6", "rollout.window_end=-1", "train.method=stepwise"]
+    cfg = validate(apply_overrides({}, overrides))
     assert cfg.sde_window_end == 5  # all but the final step
     assert cfg.sampler == "stepwise"
     cfg = validate(apply_overrides({}, ["train.method=tp_grpo", "rollout.sampler=cps"]))

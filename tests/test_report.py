@@ -230,6 +230,8 @@ def test_claim_text():
         "stepwise_vs_flow_grpo: +0.031 (95 % CI -0.010 to +0.070), not separated (the CI covers 0)"
     )
     assert rep.claim_text("x", None) == "x: not measured"
+    at_nfe = rep.claim_text("c", claim | {"nfe": 104448.0, "nfe_ratio": 1.0461})
+    assert at_nfe.endswith("covers 0); 104,448 training NFEs, 1.05× the baseline's")
 
 
 def test_report_with_nothing_to_report_still_writes_every_file(project):
