@@ -29,8 +29,9 @@ STAGES = {
     "train": _TRAIN,
     "evaluate": ("model", "sampling", "evaluate"),
     "report": (
-        *("train.methods", "train.seeds", "train.rounds", "rollout.prompts_per_round"),
-        *("rollout.group_size", "sampling.num_steps", "model.backend", "score.rewards"),
+        *("train.methods", "train.seeds", "train.rounds", "train.nfe_budget"),
+        *("rollout.prompts_per_round", "rollout.group_size", "sampling.num_steps"),
+        *("model.backend", "score.rewards"),
     ),
     "rescore": ("rescore", "score", "advantages", "sampling", "rollout", "model", "update"),
     "bench": (*_ROUND, "train.methods", "train.seeds"),
