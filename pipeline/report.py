@@ -284,6 +284,75 @@ def plot_probe_curves(probes: Runs, path: Path) -> None:
     _save(fig, path)
 
 
+def probe_at_nfe(probes: Runs) -> dict | None:
+    """Every run's held-out probe (`probe/geneval`) read at one training-NFE count: the most NFEs
+    that every run reached, each run's curve linearly interpolated between its probes — the
+    methods compared at equal compute. Returns {"nfe": n, "base": the probe before any training
+    (mean over runs), "methods": {method: [value per seed]}}, or None without probe curves."""
+    curves = {
+        (method, seed): (frame["nfe"].to_numpy(np.float64), frame["probe/geneval"].to_numpy())
+        for method, seeds in probes.items()
+        for seed, frame in seeds.items()
+        if {"nfe", "probe/geneval"} <= set(frame) and len(frame)
+    }
+    if not curves:
+        return None
+    nfe = min(float(x[-1]) for x, _ in curves.values())
+    out = {"nfe": nfe, "base": float(np.mean([y[0] for _, y in curves.values()])), "methods": {}}
+    for (method, _), (x, y) in curves.items():
+        out["methods"].setdefault(method, []).append(float(np.interp(nfe, x, y)))
+    return out
+
+
+def welch_interval(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
+    """95 % Welch t-interval of mean(a) − mean(b) (independent seeds); None below 2 per side."""
+    from scipy import stats
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    return float(ci.low), float(ci.high)
+
+
+def _probe_verdict(probes: Runs) -> str:
+    read = probe_at_nfe(probes)
+    if read is None or read["nfe"] <= 0:
+        return ""
+    values = read["methods"]
+    parts = []
+    for method, per_seed in values.items():
+        text = f"{method} {Spread.of(per_seed).text(3)} ({np.mean(per_seed) - read['base']:+.3f})"
+        if method in CHALLENGERS and BASELINE in values:
+            diff = np.mean(per_seed) - np.mean(values[BASELINE])
+            ci = welch_interval(per_seed, values[BASELINE])
+            interval = "" if ci is None else f", 95 % CI {ci[0]:+.3f} to {ci[1]:+.3f}"
+            text += f", {diff:+.3f} vs {BASELINE}{interval}"
+        parts.append(text)
+    return (
+        f"**Held-out probe at equal compute** ({read['nfe']:,.0f} training NFEs, the most every "
+        f"run reached; probe GenEval interpolated between readings, mean (min–max) over seeds, "
+        f"change from the untrained {read['base']:.3f}): " + "; ".join(parts) + "."
+    )
+
+
+def _claims_verdict(claims: Mapping[str, Mapping | None]) -> str:
+    """Did step-wise credit beat the baseline, read from the equal-NFE evaluation claims."""
+    parts = []
+    for method in CHALLENGERS:
+        claim = claims.get(f"{method}_vs_{BASELINE}")
+        if claim is None:
+            continue
+        low, high = claim["ci95"]
+        answer = "yes" if low > 0 else "no, worse" if high < 0 else "not separated"
+        parts.append(f"{method} **{answer}** ({claim['diff']:+.3f}, CI {low:+.3f} to {high:+.3f})")
+    if not parts:
+        return ""
+    return (
+        "**Did step-wise credit beat the final-reward baseline** (the claim of Savani et al. 2026 "
+        "and Tong et al. 2026) on held-out GenEval at equal NFE? " + "; ".join(parts) + "."
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # claims with uncertainty
 
@@ -560,20 +629,6 @@ def cost_markdown(bench: dict) -> str:
     return "\n".join(lines)
 
 
-def _fewer(challenger: Sequence[float | None], baseline: Sequence[float | None]) -> str:
-    """Seed-spread judgement of 'challenger needs less' (None = never reached = infinite)."""
-    inf = float("inf")
-    a = [inf if v is None else v for v in challenger]
-    b = [inf if v is None else v for v in baseline]
-    if len(a) < 2 or len(b) < 2:
-        return "one seed"
-    if max(a) < min(b):
-        return "beyond seed spread"
-    if min(a) > max(b):
-        return "slower beyond seed spread"
-    return "within seed spread"
-
-
 def credit_rates(runs: Runs) -> dict[str, dict[str, Spread | None]]:
     """Per method, over seeds: the mean over rounds of the share of steps whose advantage sign
     differs from the final-reward advantage (`sign_differs`) and of turning points."""
@@ -588,14 +643,25 @@ def credit_rates(runs: Runs) -> dict[str, dict[str, Spread | None]]:
 
 
 def verdict(
-    geneval: GenevalTable, bench: dict, profiles: Mapping[str, pd.DataFrame], runs: Runs
+    geneval: GenevalTable,
+    bench: dict,
+    profiles: Mapping[str, pd.DataFrame],
+    runs: Runs,
+    probes: Runs | None = None,
+    claims: Mapping[str, Mapping | None] | None = None,
 ) -> list[str]:
-    """A few bullet lines stating what the numbers say, each with its seed spread."""
-    lines = [_geneval_verdict(geneval)]
+    """A few bullet lines stating what the numbers say. Held-out numbers first — the evaluation
+    protocol, the probe curves read at equal NFE and the claims with their CIs — then the
+    training-reward diagnostics (that curve follows which prompts a round drew), costs and
+    credit statistics."""
+    claims = claims or {}
+    lines = [_geneval_verdict(geneval), _probe_verdict(probes or {})]
+    lines += [claim_text(name, claim) for name, claim in claims.items()]
+    lines.append(_claims_verdict(claims))
     methods, target = bench["methods"], bench["target_reward"]
     if methods:
         lines.append(
-            f"**Training reward** after the last round (smoothed over "
+            f"Diagnostic — **training reward** after the last round (smoothed over "
             f"{bench['smoothing_window']} rounds): "
             + "; ".join(
                 f"{m} {Spread.of(s['final_reward_per_seed']).text(3)}"
@@ -606,16 +672,14 @@ def verdict(
         )
     if target is None:
         lines.append(f"No {BASELINE} run: rounds-to-reward and wall-clock are not measurable.")
-        return lines + [f"Note: {note}" for note in bench["notes"]]
+        return [line for line in lines if line] + [f"Note: {note}" for note in bench["notes"]]
     base = methods[BASELINE]
     lines.append(
-        f"**Rounds to {BASELINE}'s final reward {target:.3f}**: {BASELINE} "
+        f"Diagnostic — **Rounds to {BASELINE}'s final reward {target:.3f}**: {BASELINE} "
         f"{_num(base['rounds_to_target'], 'd')}"
         + "".join(_reached(bench, m, "rounds_ratio", "rounds_to_target") for m in CHALLENGERS)
-        + "."
-    )
-    lines.append(
-        f"**Wall-clock to that reward**: {BASELINE} {_num(base['seconds_to_target'], '.0f')} s"
+        + "; **wall-clock** "
+        + f"{BASELINE} {_num(base['seconds_to_target'], '.0f')} s"
         + "".join(_reached(bench, m, "wallclock_ratio", "seconds_to_target") for m in CHALLENGERS)
         + "."
     )
@@ -628,23 +692,6 @@ def verdict(
     ]
     if costs:
         lines.append(f"**Cost per round** vs {BASELINE}: " + "; ".join(costs) + ".")
-    beat = []
-    for m in (m for m in CHALLENGERS if m in methods):
-        parts = []
-        for key, what, per in (
-            ("rounds_ratio", "in rounds", "rounds_to_target_per_seed"),
-            ("wallclock_ratio", "in wall-clock", "seconds_to_target_per_seed"),
-        ):
-            won = bench[key][m] is not None and bench[key][m] < 1
-            parts.append(
-                f"{what} **{'yes' if won else 'no'}** ({_fewer(methods[m][per], base[per])})"
-            )
-        beat.append(f"{m}: " + ", ".join(parts))
-    if beat:
-        lines.append(
-            "**Did step-wise credit beat the final-reward baseline** (the claim of Savani et al. "
-            "2026 and Tong et al. 2026)? " + "; ".join(beat) + "."
-        )
     lines.append(_credit_verdict(profiles, credit_rates(runs)))
     lines += [f"Note: {note}" for note in bench["notes"]]
     return [line for line in lines if line]

@@ -123,6 +123,32 @@ def runs(
     Console().print(table)
 
 
+def import_ablation(
+    name: Annotated[
+        str,
+        typer.Option(
+            help="kept as reports/ablations/<name> (per_step: read "
+            "by the report's joint_vs_per_step claim)"
+        ),
+    ],
+    source: Annotated[
+        Path,
+        typer.Option(
+            "--from",
+            help="the ablation's project directory: its params.yaml, reports/train, data/eval",
+        ),
+    ],
+    method: Annotated[str, typer.Option(help="the method whose runs are kept")] = "stepwise",
+    params: ParamsFile = DEFAULT_PARAMS,
+) -> None:
+    """Keep another experiment's evaluated runs of a method (a copy of this project run with an
+    ablation's -S overrides) as an ablation of this one, for `creditflow report`."""
+    from pipeline.ablation import import_ablation as keep
+
+    folder = keep(_config(params, None), name, source, method)
+    print(f"kept {method} runs of {source} in {folder} (params that differ: ablation.json)")
+
+
 def stage_help(name: str) -> str:
     """The first sentence of `stages/<name>.py`'s docstring, read without importing it (the
     stage modules import torch and Prefect; `--help` and a typo should answer at once)."""
@@ -161,6 +187,7 @@ for _name in STAGES:
 app.command(  # a view of the tracking store, not a stage
     "runs", help="Held-out GenEval of every evaluated policy per tag, from MLflow, with CIs."
 )(runs)
+app.command("import-ablation", help=import_ablation.__doc__)(import_ablation)
 
 
 def main() -> None:

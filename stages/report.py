@@ -11,6 +11,7 @@ nonmonotonic}.png`.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -19,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from pipeline import layout
 from pipeline import report as rep
+from pipeline.ablation import ABLATIONS, RESULTS
 from pipeline.bench import CHALLENGERS, Runs, benchmark, read_probe_runs, read_training_runs
 from pipeline.config import Config, ConfigError
 from pipeline.geneval import TAGS
@@ -63,8 +65,7 @@ def report(cfg: Config) -> dict[str, float]:
         readme,
         rep.readme(
             header=header(cfg),
-            verdict_lines=rep.verdict(geneval, bench, profiles, runs)
-            + [rep.claim_text(name, c) for name, c in experiment["claims"].items()],
+            verdict_lines=rep.verdict(geneval, bench, profiles, runs, probes, experiment["claims"]),
             geneval=rep.geneval_markdown(geneval),
             samples=samples,
             cost=rep.cost_markdown(bench),
@@ -106,6 +107,8 @@ CLAIMS = {  # claim -> (challenger, baseline) methods
     "stepwise_vs_flow_grpo": ("stepwise", "flow_grpo"),
     "tp_grpo_vs_flow_grpo": ("tp_grpo", "flow_grpo"),
 }
+# claim -> (method, ablation): the default runs of the method against its runs in the ablation
+ABLATION_CLAIMS = {"joint_vs_per_step": ("stepwise", "per_step")}
 
 
 def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
@@ -113,7 +116,7 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
     method per seed, and each claim's difference with a bootstrap CI over seeds and prompts
     (`report.bootstrap_difference`). A claim is null when a side has no evaluated seed."""
     out = {"seeds": list(cfg.train.seeds), "base": {"geneval": None}, "methods": {}, "claims": {}}
-    out["claims"] = dict.fromkeys([*CLAIMS, "joint_vs_per_step"])
+    out["claims"] = dict.fromkeys([*CLAIMS, *ABLATION_CLAIMS])
     try:
         test = layout.load_prompts(cfg, "test")
     except ConfigError:
@@ -137,31 +140,58 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
             "nfe": float(np.mean(nfe)),
         }
     for name, (challenger, baseline) in CLAIMS.items():
-        if challenger not in matrices or baseline not in matrices:
-            continue
-        diff, ci = rep.bootstrap_difference(matrices[challenger], matrices[baseline], tags)
-        nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
-        out["claims"][name] = {
-            "diff": diff,
-            "ci95": list(ci),
-            "separated": not ci[0] <= 0.0 <= ci[1],
-            "nfe": max(nfe),
-            "nfe_ratio": nfe[0] / nfe[1] if nfe[1] else None,
-        }
-    # The per-step normalization ablation lives in another DVC experiment, not this workspace.
-    missing.append(
-        "claim joint_vs_per_step: needs the evaluations of the "
-        "`dvc exp run -S advantages.normalization=per_step` ablation beside the default runs"
-    )
+        if challenger in matrices and baseline in matrices:
+            nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
+            out["claims"][name] = claim(matrices[challenger], matrices[baseline], tags, nfe)
+    for name, (method, ablation) in ABLATION_CLAIMS.items():
+        out["claims"][name] = ablation_claim(cfg, method, ablation, matrices, out, test, tags)
+        if out["claims"][name] is None:
+            missing.append(
+                f"claim {name}: needs the default {method} evaluations and those of the "
+                f"`{ablation}` ablation in {ABLATIONS / ablation} (`creditflow import-ablation`, "
+                "README 'Ablations')"
+            )
     return out
 
 
-def eval_matrix(cfg: Config, policies: list[str], test: list[dict]) -> np.ndarray | None:
-    """(policies, test prompts) accuracy per prompt from `data/eval/<policy>/results.jsonl`;
-    None if any policy has no results."""
+def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, float]) -> dict:
+    """A's GenEval minus B's with its bootstrap CI (`report.bootstrap_difference`); nfe: the
+    training NFEs of A's and B's runs (mean over seeds)."""
+    diff, ci = rep.bootstrap_difference(a, b, tags)
+    return {
+        "diff": diff,
+        "ci95": list(ci),
+        "separated": not ci[0] <= 0.0 <= ci[1],
+        "nfe": max(nfe),
+        "nfe_ratio": nfe[0] / nfe[1] if nfe[1] else None,
+    }
+
+
+def ablation_claim(cfg: Config, method, ablation, matrices, out, test, tags) -> dict | None:
+    """The default runs of `method` (challenger) against its runs in `reports/ablations/
+    <ablation>/` (baseline), each over the seeds it has evaluated; None when a side has none."""
+    folder = cfg.path(ABLATIONS / ablation)
+    seeds = [s for s in cfg.train.seeds
+             if (folder / "eval" / layout.run_name(method, s) / RESULTS).is_file()]  # fmt: skip
+    if method not in matrices or not seeds:
+        return None
+    policies = [layout.run_name(method, s) for s in seeds]
+    ablated = eval_matrix(cfg, policies, test, folder / "eval")
+    if ablated is None:  # evaluated on other test prompts
+        return None
+    trained = read_training_runs(folder, [method], seeds).get(method, {})
+    nfe = np.mean([trained[s]["cost/round_nfe"].sum() for s in trained]) if trained else np.nan
+    return claim(matrices[method], ablated, tags, (out["methods"][method]["nfe"], float(nfe)))
+
+
+def eval_matrix(
+    cfg: Config, policies: list[str], test: list[dict], folder: Path = layout.EVAL
+) -> np.ndarray | None:
+    """(policies, test prompts) accuracy per prompt from `<folder>/<policy>/results.jsonl`
+    (default `data/eval`); None if any policy has no results."""
     rows = []
     for policy in policies:
-        path = cfg.path(layout.EVAL / policy / "results.jsonl")
+        path = cfg.path(folder / policy / RESULTS)
         if not path.is_file():
             return None
         verdicts = [json.loads(line) for line in path.read_text().splitlines() if line]
