@@ -144,7 +144,12 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
             nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
             out["claims"][name] = claim(matrices[challenger], matrices[baseline], tags, nfe)
     for name, (method, ablation) in ABLATION_CLAIMS.items():
-        out["claims"][name] = ablation_claim(cfg, method, ablation, matrices, out, test, tags)
+        default = (
+            {"matrix": matrices[method], "nfe": out["methods"][method]["nfe"]}
+            if method in matrices
+            else {}
+        )
+        out["claims"][name] = ablation_claim(cfg, method, ablation, default, test, tags)
         if out["claims"][name] is None:
             missing.append(
                 f"claim {name}: needs the default {method} evaluations and those of the "
@@ -154,34 +159,41 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
     return out
 
 
-def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, float]) -> dict:
+def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, float | None]) -> dict:
     """A's GenEval minus B's with its bootstrap CI (`report.bootstrap_difference`); nfe: the
-    training NFEs of A's and B's runs (mean over seeds)."""
+    training NFEs of A's and B's runs (mean over seeds; B's None when unknown)."""
     diff, ci = rep.bootstrap_difference(a, b, tags)
     return {
         "diff": diff,
         "ci95": list(ci),
         "separated": not ci[0] <= 0.0 <= ci[1],
-        "nfe": max(nfe),
+        "nfe": max(n for n in nfe if n is not None),
         "nfe_ratio": nfe[0] / nfe[1] if nfe[1] else None,
     }
 
 
-def ablation_claim(cfg: Config, method, ablation, matrices, out, test, tags) -> dict | None:
-    """The default runs of `method` (challenger) against its runs in `reports/ablations/
-    <ablation>/` (baseline), each over the seeds it has evaluated; None when a side has none."""
+def ablation_claim(
+    cfg: Config, method: str, ablation: str, default: dict, test: list[dict], tags: np.ndarray
+) -> dict | None:
+    """The default runs of `method` (challenger; `default`: their `matrix` of per-prompt
+    accuracy and mean `nfe`) against its runs in `reports/ablations/<ablation>/` (baseline), over
+    the seeds each side evaluated; None when a side has none or the kept verdicts lack a test
+    prompt."""
     folder = cfg.path(ABLATIONS / ablation)
     seeds = [s for s in cfg.train.seeds
              if (folder / "eval" / layout.run_name(method, s) / RESULTS).is_file()]  # fmt: skip
-    if method not in matrices or not seeds:
+    if not default or not seeds:
         return None
-    policies = [layout.run_name(method, s) for s in seeds]
-    ablated = eval_matrix(cfg, policies, test, folder / "eval")
-    if ablated is None:  # evaluated on other test prompts
+    ablated = eval_matrix(cfg, [layout.run_name(method, s) for s in seeds], test, folder / "eval")
+    if ablated is None:
         return None
     trained = read_training_runs(folder, [method], seeds).get(method, {})
-    nfe = np.mean([trained[s]["cost/round_nfe"].sum() for s in trained]) if trained else np.nan
-    return claim(matrices[method], ablated, tags, (out["methods"][method]["nfe"], float(nfe)))
+    nfe = (
+        float(np.mean([run["cost/round_nfe"].sum() for run in trained.values()]))
+        if trained
+        else None
+    )
+    return claim(default["matrix"], ablated, tags, (default["nfe"], nfe))
 
 
 def eval_matrix(

@@ -4,6 +4,7 @@ joint_vs_per_step claim (default stepwise minus the per-step-normalization runs)
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,10 @@ def test_import_keeps_the_runs_and_the_report_measures_joint_vs_per_step(ablated
     assert claim["ci95"][0] <= 0.375 <= claim["ci95"][1]
     assert claim["nfe"] == 1200.0 and claim["nfe_ratio"] == pytest.approx(1000 / 1200)
     assert not any("joint_vs_per_step" in line for line in missing)
+    shutil.rmtree(folder / "train")  # verdicts without curves: the claim stands, its NFEs unknown
+    claim = claims_summary(cfg, runs, [])["claims"]["joint_vs_per_step"]
+    assert claim["diff"] == pytest.approx(0.375)
+    assert claim["nfe"] == 1000.0 and claim["nfe_ratio"] is None
 
 
 def test_import_refuses_to_overwrite_same_params_or_nothing_evaluated(ablated):
