@@ -80,39 +80,47 @@ def snr1_bound(cosine: float, cosines: torch.Tensor, trajectories: int) -> float
     return trajectories * (1.0 - upper) / max(upper, 1e-6)
 
 
-def measure(name: str, args) -> dict:
+def base_round(cfg, method: str, n_prompts: int, *, seed: int, groups_per_prompt: int = 1):
+    """One round of the base policy (a fresh LoRA) on `n_prompts` evenly spaced training prompts,
+    each drawn `groups_per_prompt` times: (backend, schedule, rollout, GenEval lines of its
+    trajectories, the NFE counter). Shared with the search's scratch measurements."""
     from pipeline import layout
+    from pipeline.policy import Policy
+    from pipeline.rounds import CountingVelocity, Schedule, rollout_round
+
+    backend = Policy.create(cfg).backend
+    schedule = Schedule.from_config(cfg)
+    prompts = layout.load_prompts(cfg, "train")
+    chosen = list(range(0, len(prompts), max(len(prompts) // n_prompts, 1)))[:n_prompts]
+    indices = chosen * groups_per_prompt
+    counter = CountingVelocity(backend, cfg.sampling.guidance)
+    rollout = rollout_round(
+        backend, prompts, indices, schedule, cfg, method=method, seed=seed, round_index=0,
+        run_id="snr", model_version="base", counter=counter,
+    )  # fmt: skip
+    metadata = [prompts[i] for i in indices for _ in range(cfg.rollout.group_size)]
+    return backend, schedule, rollout, metadata, counter
+
+
+def measure(name: str, args) -> dict:
     from pipeline.config import load_config
     from pipeline.grpo import UpdateBatch
-    from pipeline.policy import Policy
     from pipeline.rewards import RewardMix
     from pipeline.rounds import (
-        CountingVelocity,
-        Schedule,
         assign_credit,
         estimators_for,
         reward_matrix,
-        rollout_round,
         score_round,
         update_settings,
     )
 
     method, overrides = ROWS[name]
     cfg = load_config(args.params, [f"train.method={method}", *overrides])
-    policy = Policy.create(cfg)
-    backend = policy.backend
-    schedule = Schedule.from_config(cfg)
-    prompts = layout.load_prompts(cfg, "train")
-    chosen = list(range(0, len(prompts), max(len(prompts) // args.prompts, 1)))[: args.prompts]
-    indices = chosen * args.groups_per_prompt
-    rewards = RewardMix(cfg, cfg.score.rewards)
-    counter = CountingVelocity(backend, cfg.sampling.guidance)
     start = time.perf_counter()
-    rollout = rollout_round(
-        backend, prompts, indices, schedule, cfg, method=method, seed=args.seed,
-        round_index=0, run_id="snr", model_version="base", counter=counter,
-    )  # fmt: skip
-    metadata = [prompts[i] for i in indices for _ in range(cfg.rollout.group_size)]
+    backend, schedule, rollout, metadata, counter = base_round(
+        cfg, method, args.prompts, seed=args.seed, groups_per_prompt=args.groups_per_prompt
+    )
+    rewards = RewardMix(cfg, cfg.score.rewards)
     table = score_round(
         backend, rollout, metadata, rewards, cfg, estimators=estimators_for(method, cfg),
         schedule=schedule, counter=counter,

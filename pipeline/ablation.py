@@ -4,8 +4,9 @@ A claim such as "joint beats per-step normalization" compares the default runs o
 the same method trained under other params (`dvc exp run -S advantages.normalization=per_step`,
 or a copy of the project run with that override). `import_ablation` copies what the report needs
 from that project — each run's `reports/train/<run>/` curves, its `data/eval/<run>/results.jsonl`
-verdicts and `reports/eval/<run>/metrics.json` scores — into `reports/ablations/<name>/`, with the params that differ, so that
-the comparison is committed and `creditflow report` reads it without the other experiment's data.
+verdicts and `reports/eval/<run>/metrics.json` scores — into `reports/ablations/<name>/`, with
+the params that differ, so that the comparison is committed and `creditflow report` reads it
+without the other experiment's data.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import torch  # noqa: E402
-from gradient_snr import pairwise_cosines, part_gradients, snr1_bound  # noqa: E402
+from gradient_snr import base_round, pairwise_cosines, part_gradients, snr1_bound  # noqa: E402
 
 
 def awm_part_gradients(backend, batch, groups, parts, *, guidance, t_mode, gen_seed=0):
@@ -49,46 +49,17 @@ def awm_part_gradients(backend, batch, groups, parts, *, guidance, t_mode, gen_s
 
 def main(seed):
     NP = int(sys.argv[2])
-    from pipeline import layout
     from pipeline.config import load_config
     from pipeline.grpo import UpdateBatch
-    from pipeline.policy import Policy
     from pipeline.rewards import RewardMix
-    from pipeline.rounds import (
-        CountingVelocity,
-        Schedule,
-        assign_credit,
-        estimators_for,
-        rollout_round,
-        score_round,
-        update_settings,
-    )
+    from pipeline.rounds import assign_credit, estimators_for, score_round, update_settings
 
     res = {}
     for method in ["flow_grpo", "stepwise"]:
         cfg = load_config(REPO / "params.yaml", [f"train.method={method}"])
-        policy = Policy.create(cfg)
-        backend = policy.backend
-        schedule = Schedule.from_config(cfg)
-        prompts = layout.load_prompts(cfg, "train")
-        chosen = list(range(0, len(prompts), len(prompts) // NP))[:NP]
-        rewards = RewardMix(cfg, cfg.score.rewards)
-        counter = CountingVelocity(backend, cfg.sampling.guidance)
         t0 = time.time()
-        rollout = rollout_round(
-            backend,
-            prompts,
-            chosen,
-            schedule,
-            cfg,
-            method=method,
-            seed=seed,
-            round_index=0,
-            run_id="snr",
-            model_version="base",
-            counter=counter,
-        )
-        metadata = [prompts[i] for i in chosen for _ in range(cfg.rollout.group_size)]
+        backend, schedule, rollout, metadata, counter = base_round(cfg, method, NP, seed=seed)
+        rewards = RewardMix(cfg, cfg.score.rewards)
         table = score_round(
             backend,
             rollout,

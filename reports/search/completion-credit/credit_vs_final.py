@@ -14,37 +14,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gradient_snr import base_round  # noqa: E402
 
-from pipeline import layout  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.policy import Policy  # noqa: E402
 from pipeline.rewards import RewardMix  # noqa: E402
-from pipeline.rounds import (  # noqa: E402
-    CountingVelocity,
-    Schedule,
-    assign_credit,
-    estimators_for,
-    rollout_round,
-    score_round,
-)
+from pipeline.rounds import assign_credit, estimators_for, score_round  # noqa: E402
 
 
 def correlations(method: str, seed: int, n_prompts: int) -> dict:
     out = {}
     base_cfg = load_config(REPO / "params.yaml", [f"train.method={method}"])
-    policy = Policy.create(base_cfg)
-    backend = policy.backend
-    schedule = Schedule.from_config(base_cfg)
-    prompts = layout.load_prompts(base_cfg, "train")
-    chosen = list(range(0, len(prompts), len(prompts) // n_prompts))[:n_prompts]
-    counter = CountingVelocity(backend, base_cfg.sampling.guidance)
-    rollout = rollout_round(
-        backend, prompts, chosen, schedule, base_cfg, method=method, seed=seed, round_index=0,
-        run_id="credit", model_version="base", counter=counter,
-    )  # fmt: skip
-    metadata = [prompts[i] for i in chosen for _ in range(base_cfg.rollout.group_size)]
+    backend, schedule, rollout, metadata, counter = base_round(
+        base_cfg, method, n_prompts, seed=seed
+    )
     for steps in (3, 0):
         cfg = load_config(
             REPO / "params.yaml", [f"train.method={method}", f"score.completion_steps={steps}"]
