@@ -11,6 +11,7 @@ nonmonotonic}.png`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -133,23 +134,21 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
             continue
         matrices[method] = matrix
         per_seed = [float(rep.geneval_overall(row, tags)) for row in matrix]
-        nfe = [float(runs[method][s]["cost/round_nfe"].sum()) for s in seeds]
         out["methods"][method] = {
             "geneval": float(np.mean(per_seed)),
             "geneval_per_seed": per_seed,
-            "nfe": float(np.mean(nfe)),
+            "nfe": mean_nfe(runs[method], seeds),
         }
     for name, (challenger, baseline) in CLAIMS.items():
         if challenger in matrices and baseline in matrices:
             nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
             out["claims"][name] = claim(matrices[challenger], matrices[baseline], tags, nfe)
     for name, (method, ablation) in ABLATION_CLAIMS.items():
-        default = (
-            {"matrix": matrices[method], "nfe": out["methods"][method]["nfe"]}
-            if method in matrices
-            else {}
-        )
-        out["claims"][name] = ablation_claim(cfg, method, ablation, default, test, tags)
+        if method in matrices:
+            nfe = out["methods"][method]["nfe"]
+            out["claims"][name] = ablation_claim(
+                cfg, method, ablation, matrices[method], nfe, test, tags
+            )
         if out["claims"][name] is None:
             missing.append(
                 f"claim {name}: needs the default {method} evaluations and those of the "
@@ -173,27 +172,33 @@ def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, floa
 
 
 def ablation_claim(
-    cfg: Config, method: str, ablation: str, default: dict, test: list[dict], tags: np.ndarray
+    cfg: Config,
+    method: str,
+    ablation: str,
+    matrix: np.ndarray,
+    nfe: float,
+    test: list[dict],
+    tags: np.ndarray,
 ) -> dict | None:
-    """The default runs of `method` (challenger; `default`: their `matrix` of per-prompt
-    accuracy and mean `nfe`) against its runs in `reports/ablations/<ablation>/` (baseline), over
-    the seeds each side evaluated; None when a side has none or the kept verdicts lack a test
-    prompt."""
+    """The default runs of `method` (challenger: their per-prompt accuracy `matrix` and mean
+    training `nfe`) against its runs in `reports/ablations/<ablation>/` (baseline), over the
+    seeds the ablation evaluated; None when it has none or its verdicts lack a test prompt."""
     folder = cfg.path(ABLATIONS / ablation)
     seeds = [s for s in cfg.train.seeds
              if (folder / "eval" / layout.run_name(method, s) / RESULTS).is_file()]  # fmt: skip
-    if not default or not seeds:
-        return None
     ablated = eval_matrix(cfg, [layout.run_name(method, s) for s in seeds], test, folder / "eval")
-    if ablated is None:
+    if ablated is None:  # no evaluated seed, or verdicts on other test prompts
         return None
     trained = read_training_runs(folder, [method], seeds).get(method, {})
-    nfe = (
-        float(np.mean([run["cost/round_nfe"].sum() for run in trained.values()]))
-        if trained
-        else None
-    )
-    return claim(default["matrix"], ablated, tags, (default["nfe"], nfe))
+    return claim(matrix, ablated, tags, (nfe, mean_nfe(trained, list(trained))))
+
+
+def mean_nfe(seeds: Mapping[int, pd.DataFrame], which: list[int]) -> float | None:
+    """Mean over the runs `which` (seed -> rounds frame in `seeds`) of their training NFEs: the
+    sum of `cost/round_nfe` over their rounds; None without runs."""
+    if not which:
+        return None
+    return float(np.mean([seeds[s]["cost/round_nfe"].sum() for s in which]))
 
 
 def eval_matrix(
