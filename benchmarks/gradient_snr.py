@@ -11,6 +11,14 @@ g_j = s + n_j (shared signal s, independent noise n_j) the mean pairwise cosine 
 trajectories averaged, which gives the batch a gradient step would need to point the right way
 more often than not (SNR = 1).
 
+Which prompts the parts share decides which signal the cosine counts: group g is prompt
+g mod P and falls in part g mod 4. With P a multiple of 4 the parts' prompts are disjoint and
+the cosine counts only the signal prompts share; with P odd every part holds every prompt (per
+draw of `--groups-per-prompt`) and it counts each prompt's own signal too. On the default
+recipe the two differ: −0.04 ± 0.15 (P = 24) against +0.155 ± 0.11 (P = 25), 4 draws, 8
+trajectories per group (reports/search.md, session 17 §1). The default P = 6 lies between
+(parts 0 and 2 share their prompts, as do 1 and 3).
+
 Rows: each method with the `geneval` reward; flow_grpo with a shared initial noise per group and
 a three-step SDE window; and the control reward `brightness` (mean image intensity, smooth and
 dense) that any working policy gradient should pick up.
