@@ -21,16 +21,21 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.pretrain import world_lines  # noqa: E402
 
 
-def main(seed: int, steps: int) -> None:
+def train_and_check(seed: int, steps: int, model_dir: str, check_dir: str) -> None:
+    """The committed recipe but `steps` and `seed`, then the world check into `check_dir`
+    (shared with `position-pool/clip_position.py`, which swaps the image encoder first)."""
     cfg = load_config(REPO / "params.yaml")
-    out = f"/tmp/s17/clip-s{seed}-n{steps}"
     metrics = shapesclip.train_shapesclip(
-        out, steps=steps, batch_size=cfg.base.clip_batch_size, lr=cfg.base.clip_lr, seed=seed,
-        image_size=cfg.world.image_size, pool=world_lines(cfg), progress=True,
+        model_dir, steps=steps, batch_size=cfg.base.clip_batch_size, lr=cfg.base.clip_lr,
+        seed=seed, image_size=cfg.world.image_size, pool=world_lines(cfg), progress=True,
     )  # fmt: skip
     print(json.dumps(metrics), flush=True)
-    world_check.main(["--n-test", "144", "--samples", "8", "--clip", out,
-                      "--out", f"/tmp/s17/wc-s{seed}-n{steps}"])  # fmt: skip
+    world_check.main(["--n-test", "144", "--samples", "8", "--clip", model_dir,
+                      "--out", check_dir])  # fmt: skip
+
+
+def main(seed: int, steps: int) -> None:
+    train_and_check(seed, steps, f"/tmp/s17/clip-s{seed}-n{steps}", f"/tmp/s17/wc-s{seed}-n{steps}")
 
 
 if __name__ == "__main__":

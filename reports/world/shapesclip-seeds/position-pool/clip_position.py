@@ -8,20 +8,18 @@ the committed recipe and a seed, then the world check's hard-negative gate. One 
 writes /tmp/s16/clippos-s<SEED>-n1500 (the model) and /tmp/s16/wcpos-s<SEED>-n1500 (the check).
 """
 
-import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[4]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "longer"))
 import torch  # noqa: E402
-import world_check  # noqa: E402
+from clip_longer import train_and_check  # noqa: E402
 from torch import nn  # noqa: E402
 
 from pipeline import shapesclip  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.pretrain import world_lines  # noqa: E402
 
 
 class PositionEncoder(shapesclip.ImageEncoder):
@@ -55,15 +53,9 @@ class PositionEncoder(shapesclip.ImageEncoder):
 
 def main(seed: int, steps: int = 1500) -> None:
     shapesclip.ImageEncoder = PositionEncoder  # training and load_shapesclip both build it
-    cfg = load_config(REPO / "params.yaml")
-    out = f"/tmp/s16/clippos-s{seed}-n{steps}"
-    metrics = shapesclip.train_shapesclip(
-        out, steps=steps, batch_size=cfg.base.clip_batch_size, lr=cfg.base.clip_lr, seed=seed,
-        image_size=cfg.world.image_size, pool=world_lines(cfg), progress=False,
-    )  # fmt: skip
-    print(json.dumps(metrics), flush=True)
-    world_check.main(["--n-test", "144", "--samples", "8", "--clip", out,
-                      "--out", f"/tmp/s16/wcpos-s{seed}-n{steps}"])  # fmt: skip
+    train_and_check(
+        seed, steps, f"/tmp/s16/clippos-s{seed}-n{steps}", f"/tmp/s16/wcpos-s{seed}-n{steps}"
+    )
 
 
 if __name__ == "__main__":
