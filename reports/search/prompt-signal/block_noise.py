@@ -14,15 +14,12 @@ Why try it: a policy-gradient term is A·ε/σ·∂μ/∂θ with ε D-dimensiona
 reads layout, count and colour, the low frequencies.
 """
 
-import math
-
 import torch
 from torch import Tensor
 from torch.nn.functional import avg_pool2d
 
 from pipeline import sampling
 
-_HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 _SDE_STEP = sampling.sde_step  # before a caller patches it with block_sde_step
 
 
@@ -42,20 +39,13 @@ def block_sde_step(
             x, v, sigma, sigma_next, kind=kind, eta=eta, noise=noise, prev_sample=prev_sample,
             sigma_max=sigma_max, generator=generator,
         )  # fmt: skip
-    rows = x.shape[0]
-    sigma = sampling._per_row(sigma, rows, x.device)
-    sigma_next = sampling._per_row(sigma_next, rows, x.device)
-    c_x, c_v, std = sampling.step_coefficients(
-        sigma, sigma_next, kind=kind, eta=eta, sigma_max=sigma_max
-    )
-    euler = sampling._affine(x, v, torch.ones_like(c_x), sigma_next - sigma)
-    mean = euler + block_mean(sampling._affine(x, v, c_x, c_v) - euler, block)
+    euler = _SDE_STEP(x, v, sigma, sigma_next, kind="ode", eta=eta).mean
+    own = _SDE_STEP(x, v, sigma, sigma_next, kind=kind, eta=eta, prev_sample=x, sigma_max=sigma_max)
+    mean, std = euler + block_mean(own.mean - euler, block), own.std
     if prev_sample is None:
         if noise is None:
             noise = torch.randn(x.shape, generator=generator, device=x.device)
         prev_sample = (mean + std.view(-1, 1, 1, 1) * block_mean(noise, block)).to(x.dtype)
     coordinates = block * avg_pool2d(prev_sample.float() - mean, block)  # Pᵀ(x′ − μ)
-    mean_square = coordinates.square().mean(dim=(1, 2, 3))
-    log_prob = -mean_square / (2 * std**2) - torch.log(std) - _HALF_LOG_2PI
-    log_prob = torch.where(std > 0, log_prob, torch.full_like(log_prob, math.nan))
+    log_prob = sampling.gaussian_log_prob(coordinates, torch.zeros_like(coordinates), std)
     return sampling.StepResult(prev_sample, mean, std, log_prob)
