@@ -146,13 +146,21 @@ class BaseParams(Section):
     text_layers: PositiveInt = 2
     text_heads: PositiveInt = 2
     max_length: PositiveInt = 12  # prompt tokens including [BOS]/[EOS]
-    clip_steps: PositiveInt = 1500  # ShapesCLIP contrastive training steps
-    clip_batch_size: PositiveInt = 64
-    clip_lr: PositiveFloat = 2e-3
     # stage `refine`: a second flow cycle from the first one's weights (a warm restart)
     refine_steps: Annotated[int, Field(ge=0)] = 0  # 0: the first cycle is the base model
     refine_lr: PositiveFloat = 5e-4
     refine_warmup: Annotated[int, Field(ge=0)] = 100
+
+
+class ShapesCLIPParams(Section):
+    """`shapesclip` stage: the contrastive text-image reward model of ShapesWorld."""
+
+    # 1500 steps learned the swapped-relation negatives on two of four seeds, 3000 on all four
+    # (reports/world/shapesclip-seeds/README.md)
+    steps: PositiveInt = 3000
+    batch_size: PositiveInt = 64
+    lr: PositiveFloat = 2e-3
+    seed: int = 0
 
 
 class SamplingParams(Section):
@@ -251,7 +259,8 @@ class TrainParams(Section):
     seeds: list[int] = [0, 1, 2]  # the DVC matrix
     seed: int = 0
     rounds: PositiveInt = 40  # rounds per run (the cap when nfe_budget is set)
-    # equal compute: stop a run once its training NFEs reach this many (0 = off)
+    # equal compute: stop a run before a round that would take its training NFEs over this
+    # many (0 = off; pipeline.policy.round_fits_budget)
     nfe_budget: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 99840
     keep_rollouts: Annotated[int, Field(ge=0)] = 3  # newest rounds whose states stay; 0 = all
     # held-out probe: GenEval on the test prompts every `eval_every` rounds (0 = off), before
@@ -284,6 +293,7 @@ class Config(Section):
     prompts: PromptsParams = PromptsParams()
     model: ModelParams = ModelParams()
     base: BaseParams = BaseParams()
+    shapesclip: ShapesCLIPParams = ShapesCLIPParams()
     sampling: SamplingParams = SamplingParams()
     rollout: RolloutParams = RolloutParams()
     score: ScoreParams = ScoreParams()

@@ -343,6 +343,19 @@ def phase_totals(metrics: dict[str, float]) -> dict[str, float]:
     }
 
 
+def round_fits_budget(budget: float, spent: float, last_round_nfe: float | None) -> bool:
+    """Whether a run may train another round under `train.nfe_budget` (0 = no budget).
+
+    A method's rounds cost the same NFEs each (fixed prompts, group size and schedule), so the
+    next round is predicted to cost what the last one did; a run stops before the round that
+    would take it over the budget, so that no method trains on more NFEs than the budget. The
+    first round (nothing measured yet) always runs.
+    """
+    if not budget or last_round_nfe is None:
+        return True
+    return spent + last_round_nfe <= budget
+
+
 def load_round_metrics(checkpoint: Path) -> dict[str, float]:
     """A checkpointed round's metrics, with its phase totals."""
     metrics = json.loads((checkpoint / "metrics.json").read_text())

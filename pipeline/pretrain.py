@@ -215,8 +215,8 @@ def pretrain_base(
 ) -> dict:
     """Train the embedded base policy on ``prompts`` (training metadata) and save it to out_dir.
 
-    ``params`` are the `base` section's settings (``pipeline.config.BaseParams``; its `pool` and
-    ShapesCLIP's `clip_*` are not read here). Images are rendered on the fly by
+    ``params`` are the `base` section's settings (``pipeline.config.BaseParams``; its `pool` is
+    not read here). Images are rendered on the fly by
     ``render_batch(metas, rng, image_size)`` (default ``pipeline.world.render_batch``) from
     metadata drawn tag-balanced from ``prompts``.
     Flow phase: ``steps`` AdamW steps of ``batch_size``, lr warmed up linearly over ``warmup``
@@ -238,7 +238,9 @@ def pretrain_base(
     returns that history: {"flow_loss": [...], "ae_loss": [...], "seconds": {...},
     "cpu_seconds": {...}, "config": {...}, "params": {...}, "num_parameters": {...}}.
     """
-    arguments = {"out_dir": str(out_dir)}  # recorded in the history (in the order of its files)
+    # recorded in the history, in the order of its files; not out_dir, which is a stage's
+    # temporary directory, so that the same weights give the same files on every rerun
+    arguments = {}
     for key, value in params.model_dump(exclude=_NOT_PRETRAIN_PARAMS | _REFINE_ARGS).items():
         arguments[key] = value
         if key == "seed":
@@ -287,7 +289,7 @@ def prompts_digest(prompts: list[dict]) -> str:
 
 
 # `base` settings that pretrain_base does not read: the pool is chosen by its caller
-_NOT_PRETRAIN_PARAMS = {"pool", "clip_steps", "clip_batch_size", "clip_lr"}
+_NOT_PRETRAIN_PARAMS = {"pool"}
 # the arguments that only the refine cycle reads, and those that do not change the weights
 _REFINE_ARGS = {"refine_steps", "refine_lr", "refine_warmup"}
 _NON_MODEL_ARGS = {"out_dir", "snapshot_every", "snapshot_dir", "progress"}
@@ -521,17 +523,11 @@ def _train_flow(
     backend.clear_cache()
 
 
-def world_lines(cfg: Config) -> list[dict]:
-    """Every scene of the configured world, as metadata lines."""
-    from pipeline.world import whole_world
-
-    world = cfg.world
-    return whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
-
-
 def pretrain_pool(cfg: Config) -> list[dict]:
     """The scenes the base model pretrains on (`base.pool`, module docstring)."""
-    return world_lines(cfg) if cfg.base.pool == "world" else load_prompts(cfg, "train")
+    from pipeline.world import world_lines
+
+    return world_lines(cfg.world) if cfg.base.pool == "world" else load_prompts(cfg, "train")
 
 
 def tail_mean(losses: list[float]) -> float:

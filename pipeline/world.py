@@ -486,6 +486,12 @@ def whole_world(
     ]
 
 
+def world_lines(world) -> list[dict]:
+    """Every scene of the world configured by ``world`` (the `world` params section), as
+    metadata lines."""
+    return whole_world(tuple(world.shapes), tuple(world.colors), world.max_count)
+
+
 def world_prompts(
     shapes: tuple[str, ...] = SHAPES, colors: tuple[str, ...] = tuple(COLORS), max_count: int = 4
 ) -> list[str]:

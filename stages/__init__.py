@@ -21,6 +21,7 @@ _TRAIN = (
 STAGES = {
     "prompts": ("world", "prompts"),
     "base": ("world", "model", "base"),
+    "shapesclip": ("world", "model.backend", "shapesclip"),
     "refine": ("world", "model", "base"),
     "rollout": _TRAIN,
     "score": _TRAIN,

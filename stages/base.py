@@ -1,9 +1,9 @@
-"""`base` stage: the base policy and the learned reward.
+"""`base` stage: the base policy.
 
 ShapesWorld: pretrain the embedded flow model's autoencoder and first flow cycle
-(`data/base/pretrained`; the `refine` stage turns it into `data/base/model`) and ShapesCLIP
-(`data/base/shapesclip`) on renders; write the loss curve and the summary metrics to
-`reports/base/`. SD3: check the local weights directory, train nothing.
+(`data/base/pretrained`; the `refine` stage turns it into `data/base/model`) on renders; write
+the loss curve and the summary metrics to `reports/base/`. SD3: check the local weights
+directory, train nothing. The learned reward ShapesCLIP is the `shapesclip` stage's.
 
 `base.pool: world` pretrains on every line of the world, the way SD3 was pretrained on the web
 before anyone ran GenEval on it: the test prompts' scenes are seen as pretraining data, while
@@ -19,8 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from pipeline import layout
 from pipeline.config import Config
 from pipeline.io import atomic_path, write_json
-from pipeline.pretrain import loss_curve, pretrain_base, pretrain_pool, tail_mean, world_lines
-from pipeline.rewards import SHAPESCLIP_DIR
+from pipeline.pretrain import loss_curve, pretrain_base, pretrain_pool, tail_mean
 from pipeline.tracking import log_artifact, log_metrics
 
 
@@ -33,30 +32,16 @@ def base(cfg: Config) -> dict[str, float]:
         check_directory(cfg.path(cfg.model.path))
         write_json(report / "metrics.json", {"backend": "sd3"})
         return {}
-    from pipeline.shapesclip import train_shapesclip
-
-    world = cfg.world
     first_cycle = cfg.base.model_copy(update={"refine_steps": 0})
     with atomic_path(cfg.path(layout.PRETRAINED)) as tmp:
         history = pretrain_base(
-            tmp, prompts=pretrain_pool(cfg), params=first_cycle, image_size=world.image_size
+            tmp, prompts=pretrain_pool(cfg), params=first_cycle, image_size=cfg.world.image_size
         )
-    clip = train_shapesclip(
-        cfg.path(SHAPESCLIP_DIR),
-        steps=cfg.base.clip_steps,
-        batch_size=cfg.base.clip_batch_size,
-        lr=cfg.base.clip_lr,
-        seed=cfg.base.seed,
-        image_size=world.image_size,
-        pool=world_lines(cfg),  # captions of the configured world (hard negatives may leave it)
-    )
     losses = history["flow_loss"]
     metrics = {
         "flow_loss_final": tail_mean(losses),
         "pretrain_seconds": sum(history["seconds"].values()),
         "parameters": sum(history["num_parameters"].values()),
-        "shapesclip_hard_negative_accuracy": clip.get("hard_negative_accuracy", float("nan")),
-        "shapesclip_seconds": clip.get("seconds", float("nan")),
     }
     write_json(report / "metrics.json", metrics)
     loss_curve(losses, report / "loss.png")

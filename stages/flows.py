@@ -230,6 +230,7 @@ def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:
         probe_due,
         probe_file,
         restore,
+        round_fits_budget,
         write_run_reports,
     )
     from pipeline.tracking import log_metrics, record_run
@@ -250,7 +251,8 @@ def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:
     if main:
         log_missing_rounds(run, done)
     start = max(done, default=-1) + 1
-    spent = sum(load_round_metrics(path)["cost/round_nfe"] for path in done.values())
+    costs = [load_round_metrics(path)["cost/round_nfe"] for path in done.values()]
+    spent, last_cost = sum(costs), (costs[-1] if costs else None)
     bar = tqdm(
         total=cfg.train.rounds, initial=start, desc=f"train {run.name}", unit="round",
         disable=not main,
@@ -267,7 +269,7 @@ def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:
         bar.set_postfix(probe=_short(probed(start)))
     with bar:
         for r in range(start, cfg.train.rounds):
-            if cfg.train.nfe_budget and spent >= cfg.train.nfe_budget:
+            if not round_fits_budget(cfg.train.nfe_budget, spent, last_cost):
                 break
             metrics = call(rollout, cfg, run, r, policy)
             metrics |= call(score, cfg, run, r, policy)
@@ -277,7 +279,8 @@ def _train(cfg: Config, run, backend, ranks) -> dict[str, float]:
             if main:
                 log_metrics(metrics | totals, step=r)
                 prune_rollouts(run, keep=cfg.train.keep_rollouts)
-            spent += totals["cost/round_nfe"]
+            last_cost = totals["cost/round_nfe"]
+            spent += last_cost
             shown = {"reward": metrics["reward/mean"], "kl": metrics.get("train/kl")}
             if probe_due(cfg, r + 1):
                 shown["probe"] = probed(r + 1)

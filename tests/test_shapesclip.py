@@ -261,10 +261,11 @@ def test_batch_text_negatives_are_wrong_captions_of_the_same_template():
     assert tagged == {i for i, m in enumerate(batch.metas) if m["tag"] in sc.TEXT_NEGATIVE_KINDS}
 
 
-def test_base_stage_trains_both_models_on_the_configured_world(project, monkeypatch):
+def test_base_and_shapesclip_stages_train_on_the_configured_world(project, monkeypatch):
     import stages.base
     from pipeline.config import load_config
     from stages.base import base
+    from stages.shapesclip import METRICS_FILE, shapesclip
 
     seen = {}
 
@@ -273,14 +274,21 @@ def test_base_stage_trains_both_models_on_the_configured_world(project, monkeypa
         seen["flow"] = prompts
         return {"flow_loss": [1.0, 0.5], "seconds": {"flow": 1.0}, "num_parameters": {"x": 1}}
 
-    def fake_clip(out_dir, *, pool, **kwargs):
+    def fake_clip(out_dir, *, pool, steps, seed, **kwargs):
         seen["clip"] = pool
-        return {}
+        seen["clip_args"] = steps, seed
+        return {"hard_negative_accuracy": 0.5, "seconds": 2.0}
 
     monkeypatch.setattr(stages.base, "pretrain_base", fake_pretrain)
     monkeypatch.setattr(sc, "train_shapesclip", fake_clip)
-    cfg = load_config(project / "params.yaml", ["world.shapes=[circle, square]"])
+    overrides = ["world.shapes=[circle, square]", "shapesclip.steps=7", "shapesclip.seed=3"]
+    cfg = load_config(project / "params.yaml", overrides)
     base.fn(cfg)
+    assert "clip" not in seen  # the base stage trains the policy alone
+    metrics = shapesclip.fn(cfg)
     assert seen["clip"] == seen["flow"]
     shapes = {c["class"] for m in seen["clip"] for c in m["include"]}
     assert shapes == {"circle", "square"}
+    assert seen["clip_args"] == (7, 3)
+    written = json.loads((project / "reports" / "base" / METRICS_FILE).read_text())
+    assert written == metrics == {"hard_negative_accuracy": 0.5, "seconds": 2.0}

@@ -18,7 +18,7 @@ import world_check  # noqa: E402
 
 from pipeline import shapesclip  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.pretrain import world_lines  # noqa: E402
+from pipeline.world import world_lines  # noqa: E402
 
 
 def train_and_check(seed: int, steps: int, model_dir: str, check_dir: str) -> None:
@@ -26,8 +26,8 @@ def train_and_check(seed: int, steps: int, model_dir: str, check_dir: str) -> No
     (shared with `position-pool/clip_position.py`, which swaps the image encoder first)."""
     cfg = load_config(REPO / "params.yaml")
     metrics = shapesclip.train_shapesclip(
-        model_dir, steps=steps, batch_size=cfg.base.clip_batch_size, lr=cfg.base.clip_lr,
-        seed=seed, image_size=cfg.world.image_size, pool=world_lines(cfg), progress=True,
+        model_dir, steps=steps, batch_size=cfg.shapesclip.batch_size, lr=cfg.shapesclip.lr,
+        seed=seed, image_size=cfg.world.image_size, pool=world_lines(cfg.world), progress=True,
     )  # fmt: skip
     print(json.dumps(metrics), flush=True)
     world_check.main(["--n-test", "144", "--samples", "8", "--clip", model_dir,
