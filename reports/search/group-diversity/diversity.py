@@ -27,6 +27,7 @@ ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.gradient_snr import base_round  # noqa: E402
+from pipeline import credit  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.rewards import RewardMix  # noqa: E402
 
@@ -42,7 +43,8 @@ SETTINGS = {
 def group_spread(latents: torch.Tensor, group_ids: torch.Tensor) -> float:
     """RMS distance to the group mean over RMS distance to the round mean; latents (N, ...)."""
     flat = latents.flatten(1).double()
-    means = torch.stack([flat[group_ids == g].mean(0) for g in group_ids.tolist()])
+    groups, n_groups = credit._group_index(group_ids, len(flat))
+    means, _ = credit._group_moments(flat, groups, n_groups, pool_columns=False)  # (N, D)
     within = (flat - means).pow(2).sum(1).mean().sqrt()
     overall = (flat - flat.mean(0)).pow(2).sum(1).mean().sqrt()
     return (within / overall).item()
