@@ -335,6 +335,46 @@ def _probe_verdict(probes: Runs) -> str:
     )
 
 
+#: The decisive experiment's targets: held-out GenEval gain over the base (mean over seeds) of the
+#: baseline and of the best method (whose every seed must also beat the base), and the tags that
+#: must rise.
+GAIN_TARGETS = {"baseline": 0.15, "best": 0.25}
+RISING_TAGS = ("counting", "position")
+
+
+def _targets_verdict(experiment: Mapping) -> str:
+    """The gains over the base (`experiment.json`'s `methods.<m>.gain_over_base`) read against
+    `GAIN_TARGETS`; empty without a base evaluation or an evaluated method."""
+    base = experiment.get("base", {}).get("geneval")
+    methods = {m: v for m, v in experiment.get("methods", {}).items() if "gain_over_base" in v}
+    if base is None or not methods:
+        return ""
+    parts = []
+    for method, values in methods.items():
+        gain = values["gain_over_base"]
+        low, high = gain["ci95"]
+        goal = ""
+        if method == BASELINE:
+            target = GAIN_TARGETS["baseline"]
+            goal = f", target ≥ {target:+.2f}: {_met(gain['diff'] >= target)}"
+        tags = ", ".join(
+            f"{t} {gain['per_tag'][t]:+.3f}" for t in RISING_TAGS if t in gain["per_tag"]
+        )
+        parts.append(f"{method} {gain['diff']:+.3f} (CI {low:+.3f} to {high:+.3f}{goal}; {tags})")
+    best = max(methods, key=lambda m: methods[m]["gain_over_base"]["diff"])
+    per_seed = methods[best]["geneval_per_seed"]
+    above = sum(value > base for value in per_seed)
+    target = GAIN_TARGETS["best"]
+    met = methods[best]["gain_over_base"]["diff"] >= target and above == len(per_seed)
+    return (
+        "**Against the targets** (held-out GenEval gain over the base, mean over seeds, 95 % "
+        "bootstrap CI over seeds and prompts; counting and position should rise): "
+        + "; ".join(parts)
+        + f". Best: {best}, above the base on {above} of {len(per_seed)} seeds (target ≥ "
+        f"{target:+.2f} with every seed above the base: {_met(met)})."
+    )
+
+
 def _claims_verdict(claims: Mapping[str, Mapping | None]) -> str:
     """Did step-wise credit beat the baseline, read from the equal-NFE evaluation claims."""
     parts = []
@@ -386,6 +426,20 @@ def bootstrap_difference(
         replicates[i] = geneval_overall(mean_a - mean_b, tags[prompts])
     low, high = np.percentile(replicates, [2.5, 97.5])
     return diff, (float(low), float(high))
+
+
+def difference(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict:
+    """A's GenEval overall minus B's as a JSON-ready dict: {"diff", "ci95", "separated" (the CI
+    excludes 0)}; a: (S_a, P), b: (S_b, P), tags: (P,) as in `bootstrap_difference`."""
+    diff, ci = bootstrap_difference(a, b, tags)
+    return {"diff": diff, "ci95": list(ci), "separated": not ci[0] <= 0.0 <= ci[1]}
+
+
+def tag_gains(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict[str, float]:
+    """Per-tag accuracy of A minus B, each averaged over its seeds: {tag name: difference}.
+    a: (S_a, P), b: (S_b, P) per-seed per-prompt accuracy; tags: (P,) ids into `TAGS`."""
+    gap = np.asarray(a, float).mean(0) - np.asarray(b, float).mean(0)
+    return {TAGS[t]: float(gap[tags == t].mean()) for t in np.unique(tags)}
 
 
 def claim_text(name: str, claim: Mapping | None) -> str:
@@ -648,14 +702,20 @@ def verdict(
     profiles: Mapping[str, pd.DataFrame],
     runs: Runs,
     probes: Runs | None = None,
-    claims: Mapping[str, Mapping | None] | None = None,
+    experiment: Mapping | None = None,
 ) -> list[str]:
     """A few bullet lines stating what the numbers say. Held-out numbers first — the evaluation
-    protocol, the probe curves read at equal NFE and the claims with their CIs — then the
+    protocol against the base and the targets, the probe curves read at equal NFE and the
+    claims with their CIs (`experiment`: the dict of `reports/experiment.json`) — then the
     training-reward diagnostics (that curve follows which prompts a round drew), costs and
     credit statistics."""
-    claims = claims or {}
-    lines = [_geneval_verdict(geneval), _probe_verdict(probes or {})]
+    experiment = experiment or {}
+    claims = experiment.get("claims") or {}
+    lines = [
+        _geneval_verdict(geneval),
+        _targets_verdict(experiment),
+        _probe_verdict(probes or {}),
+    ]
     lines += [claim_text(name, claim) for name, claim in claims.items()]
     lines.append(_claims_verdict(claims))
     methods, target = bench["methods"], bench["target_reward"]

@@ -66,7 +66,7 @@ def report(cfg: Config) -> dict[str, float]:
         readme,
         rep.readme(
             header=header(cfg),
-            verdict_lines=rep.verdict(geneval, bench, profiles, runs, probes, experiment["claims"]),
+            verdict_lines=rep.verdict(geneval, bench, profiles, runs, probes, experiment),
             geneval=rep.geneval_markdown(geneval),
             samples=samples,
             cost=rep.cost_markdown(bench),
@@ -114,8 +114,9 @@ ABLATION_CLAIMS = {"joint_vs_per_step": ("stepwise", "per_step")}
 
 def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
     """`reports/experiment.json`: held-out GenEval (evaluate protocol) of the base and of each
-    method per seed, and each claim's difference with a bootstrap CI over seeds and prompts
-    (`report.bootstrap_difference`). A claim is null when a side has no evaluated seed."""
+    method per seed, each method's gain over the base (overall with a bootstrap CI over seeds
+    and prompts, `report.bootstrap_difference`, and per tag), and each claim's difference with
+    its CI. A claim is null when a side has no evaluated seed."""
     out = {"seeds": list(cfg.train.seeds), "base": {"geneval": None}, "methods": {}, "claims": {}}
     out["claims"] = dict.fromkeys([*CLAIMS, *ABLATION_CLAIMS])
     try:
@@ -139,6 +140,12 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
             "geneval_per_seed": per_seed,
             "nfe": mean_nfe(runs[method], seeds),
         }
+    if base is not None:
+        for method, matrix in matrices.items():
+            gain = rep.difference(matrix, base, tags) | {
+                "per_tag": rep.tag_gains(matrix, base, tags)
+            }
+            out["methods"][method]["gain_over_base"] = gain
     for name, (challenger, baseline) in CLAIMS.items():
         if challenger in matrices and baseline in matrices:
             nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
@@ -161,11 +168,7 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
 def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, float | None]) -> dict:
     """A's GenEval minus B's with its bootstrap CI (`report.bootstrap_difference`); nfe: the
     training NFEs of A's and B's runs (mean over seeds; B's None when unknown)."""
-    diff, ci = rep.bootstrap_difference(a, b, tags)
-    return {
-        "diff": diff,
-        "ci95": list(ci),
-        "separated": not ci[0] <= 0.0 <= ci[1],
+    return rep.difference(a, b, tags) | {
         "nfe": max(n for n in nfe if n is not None),
         "nfe_ratio": nfe[0] / nfe[1] if nfe[1] else None,
     }

@@ -13,6 +13,7 @@ import torch
 from pipeline import layout
 from pipeline import report as rep
 from pipeline.config import load_config
+from pipeline.geneval import TAGS
 from pipeline.io import write_json
 from pipeline.report import (
     Spread,
@@ -273,6 +274,10 @@ def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
     assert set(experiment["methods"]) == {"flow_grpo", "tp_grpo"}  # stepwise: not evaluated
     flow = experiment["methods"]["flow_grpo"]
     assert flow["geneval_per_seed"] == [flow["geneval"]] and flow["nfe"] > 0
+    gain = flow["gain_over_base"]  # one seed each side: the base's and the run's own verdicts
+    assert gain["diff"] == pytest.approx(flow["geneval"] - experiment["base"]["geneval"])
+    assert set(gain["per_tag"]) <= set(TAGS) and gain["ci95"][0] <= gain["diff"] <= gain["ci95"][1]
+    assert "**Against the targets**" in (tiny_project / "reports/README.md").read_text()
     claim = experiment["claims"]["tp_grpo_vs_flow_grpo"]
     assert set(claim) == {"diff", "ci95", "separated", "nfe", "nfe_ratio"}
     assert claim["ci95"][0] <= claim["diff"] <= claim["ci95"][1]
@@ -355,7 +360,7 @@ def test_verdict_puts_held_out_numbers_and_claims_before_the_training_reward():
         "tp_grpo_vs_flow_grpo": {"diff": 0.01, "ci95": [-0.02, 0.04], "separated": False},
         "joint_vs_per_step": None,
     }
-    lines = rep.verdict({}, bench, {}, {}, probes, claims)
+    lines = rep.verdict({}, bench, {}, {}, probes, {"claims": claims})
     assert lines[1].startswith("**Held-out probe at equal compute** (100 training NFEs")
     assert "flow_grpo 0.550 (0.500–0.600) (+0.150)" in lines[1]
     assert "stepwise 0.450 (0.400–0.500) (+0.050), -0.100 vs flow_grpo, 95 % CI" in lines[1]
@@ -363,3 +368,42 @@ def test_verdict_puts_held_out_numbers_and_claims_before_the_training_reward():
     assert lines[4] == "joint_vs_per_step: not measured"
     assert "stepwise **no, worse** (-0.050" in lines[5]
     assert "tp_grpo **not separated** (+0.010" in lines[5]
+
+
+def test_tag_gains_average_seeds_then_prompts_of_each_tag():
+    tags = np.array([0, 0, 3])  # two single_object prompts, one counting
+    a = np.array([[1.0, 0.0, 0.5], [1.0, 1.0, 0.0]])  # seed means 1, 0.5, 0.25
+    b = np.array([[0.5, 0.5, 0.5]])
+    assert rep.tag_gains(a, b, tags) == {TAGS[0]: pytest.approx(0.25), TAGS[3]: -0.25}
+
+
+def test_targets_verdict_reads_each_gain_and_the_best_methods_seeds():
+    def gain(diff, counting, position):
+        per_tag = {"counting": counting, "position": position, "colors": 0.5}
+        return {"diff": diff, "ci95": [diff - 0.05, diff + 0.05], "per_tag": per_tag}
+
+    def targets_line(experiment):
+        bench = {"methods": {}, "target_reward": None, "notes": []}
+        lines = rep.verdict({}, bench, {}, {}, experiment=experiment)
+        return next((line for line in lines if line.startswith("**Against the targets**")), None)
+
+    flow = {"geneval_per_seed": [0.55, 0.56], "gain_over_base": gain(0.155, 0.2, 0.1)}
+    tp = {"geneval_per_seed": [0.75, 0.39], "gain_over_base": gain(0.17, 0.3, -0.1)}
+    experiment = {"base": {"geneval": 0.40}, "methods": {"flow_grpo": flow, "tp_grpo": tp}}
+    line = targets_line(experiment)
+    assert (
+        "flow_grpo +0.155 (CI +0.105 to +0.205, target ≥ +0.15: met; counting +0.200, "
+        "position +0.100)" in line
+    )
+    assert "tp_grpo +0.170 (CI +0.120 to +0.220; counting +0.300, position -0.100)" in line
+    # the best gain is under +0.25 and one of its seeds is below the base
+    assert line.endswith(
+        "Best: tp_grpo, above the base on 1 of 2 seeds (target ≥ +0.25 with every seed above "
+        "the base: not met)."
+    )
+    tp |= {"geneval_per_seed": [0.7, 0.66], "gain_over_base": gain(0.28, 0.3, 0.2)}
+    assert targets_line(experiment).endswith("2 of 2 seeds (target ≥ +0.25 with every seed "
+                                             "above the base: met).")  # fmt: skip
+    flow["gain_over_base"]["diff"] = 0.149
+    assert "target ≥ +0.15: not met" in targets_line(experiment)
+    assert targets_line({"base": {"geneval": None}, "methods": {"tp_grpo": tp}}) is None
