@@ -397,10 +397,16 @@ def _claims_verdict(claims: Mapping[str, Mapping | None]) -> str:
 # claims with uncertainty
 
 
+def tag_means(accuracy: np.ndarray, tags: np.ndarray) -> dict[int, np.ndarray]:
+    """Each tag's mean over its prompts: {tag id: (...)}, in increasing tag id.
+    accuracy: (..., P) per-prompt accuracy; tags: (P,) tag ids."""
+    return {int(t): accuracy[..., tags == t].mean(axis=-1) for t in np.unique(tags)}
+
+
 def geneval_overall(accuracy: np.ndarray, tags: np.ndarray) -> np.ndarray:
     """GenEval overall from per-prompt accuracy: the mean over tags of the mean over the tag's
     prompts. accuracy: (..., P); tags: (P,) tag ids -> (...)."""
-    return np.stack([accuracy[..., tags == t].mean(axis=-1) for t in np.unique(tags)]).mean(0)
+    return np.stack(list(tag_means(accuracy, tags).values())).mean(0)
 
 
 def bootstrap_difference(
@@ -439,7 +445,7 @@ def tag_gains(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict[str, float
     """Per-tag accuracy of A minus B, each averaged over its seeds: {tag name: difference}.
     a: (S_a, P), b: (S_b, P) per-seed per-prompt accuracy; tags: (P,) ids into `TAGS`."""
     gap = np.asarray(a, float).mean(0) - np.asarray(b, float).mean(0)
-    return {TAGS[t]: float(gap[tags == t].mean()) for t in np.unique(tags)}
+    return {TAGS[t]: float(mean) for t, mean in tag_means(gap, np.asarray(tags)).items()}
 
 
 def claim_text(name: str, claim: Mapping | None) -> str:

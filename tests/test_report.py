@@ -196,6 +196,14 @@ def test_report_stage_writes_readme_and_figures(project):
     assert logged == {"README.md", *FIGURES}
 
 
+def test_tag_means_group_prompts_by_tag_and_keep_leading_axes():
+    accuracy = np.array([[1.0, 0.0, 0.5, 0.25], [0.0, 0.0, 1.0, 1.0]])
+    means = rep.tag_means(accuracy, np.array([3, 0, 3, 0]))
+    assert list(means) == [0, 3]
+    assert means[0] == pytest.approx([0.125, 0.5])
+    assert means[3] == pytest.approx([0.75, 0.5])
+
+
 def test_geneval_overall_is_the_mean_over_tags_of_prompt_means():
     accuracy = np.array([1.0, 0.0, 0.5, 0.25])  # tag 0 holds prompts 0-2, tag 1 prompt 3
     tags = np.array([0, 0, 0, 1])
