@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+from pipeline.geneval import TAGS
 
 
 def row(path: Path) -> tuple[list[float], dict, bool]:
