@@ -54,7 +54,7 @@ def main() -> None:
         "what": "pretrain_base, full model size, whole world, 10 AE + 20 flow steps, fresh "
         "process per run (benchmarks/pretrain_determinism.py)",
         "denoiser": BaseParams().denoiser,
-        "machine": _cpu_model(),
+        "machine": cpu_model(),
         "runs": runs,
         "bit_identical_for_same_threads": same_threads,
     }
@@ -62,7 +62,7 @@ def main() -> None:
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's model name and core count (Linux), else the platform's machine type."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()

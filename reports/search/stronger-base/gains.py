@@ -1,0 +1,72 @@
+"""Session 21 scratch measurement (reports/search.md, session 21): is the base the limit? The
+default flow_grpo recipe trained on the two other pretraining seeds' bases (`reports/base/seeds`:
+ODE-10 0.496 and 0.465 against the committed base's 0.383), three seeds each, in copies of the
+project whose `model.path` points at those bases. Each base folder beside this file holds the
+copies' evaluation verdicts (`eval/<policy>/results.jsonl`, the `evaluate` protocol) and probe
+curves (`train/<run>/probe.json`).
+
+    python reports/search/stronger-base/gains.py
+
+prints each base's gain table and writes gains.json beside this file: per base, the base's
+GenEval, flow_grpo's per seed, its gain over the base with the report's bootstrap CI over seeds
+and prompts (`pipeline.report.difference`), the gain per tag, and the probe curve's mean over
+seeds.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO))
+import numpy as np  # noqa: E402
+
+from pipeline import layout  # noqa: E402
+from pipeline import report as rep  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.geneval import TAGS  # noqa: E402
+from stages.report import eval_matrix  # noqa: E402
+
+METHOD = "flow_grpo"
+
+
+def base_gains(folder: Path, cfg, test: list[dict], tags: np.ndarray) -> dict:
+    runs = sorted(p.name for p in (folder / "eval").iterdir() if p.name.startswith(METHOD))
+    base = eval_matrix(cfg, ["base"], test, folder=folder / "eval")
+    trained = eval_matrix(cfg, runs, test, folder=folder / "eval")
+    probes = [json.loads((folder / "train" / run / "probe.json").read_text()) for run in runs]
+    rounds = [p["rounds"] for p in probes[0]]
+    curve = np.mean([[p["probe/geneval"] for p in probe] for probe in probes], axis=0)
+    return {
+        "base_geneval": float(rep.geneval_overall(base[0], tags)),
+        "runs": runs,
+        "geneval_per_seed": [float(rep.geneval_overall(row, tags)) for row in trained],
+        "gain_over_base": rep.difference(trained, base, tags),
+        "gain_per_tag": rep.tag_gains(trained, base, tags),
+        "probe": {"rounds": rounds, "geneval_mean_over_seeds": curve.round(4).tolist()},
+    }
+
+
+def main() -> None:
+    cfg = load_config(REPO / "params.yaml")
+    test = layout.load_prompts(cfg, "test")
+    tags = np.array([TAGS.index(m["tag"]) for m in test])
+    out = {}
+    for folder in sorted(HERE.glob("base-s*")):
+        out[folder.name] = g = base_gains(folder, cfg, test, tags)
+        gain = g["gain_over_base"]
+        print(
+            f"{folder.name}: base {g['base_geneval']:.3f}, {METHOD} per seed "
+            + " / ".join(f"{v:.3f}" for v in g["geneval_per_seed"])
+            + f", gain {gain['diff']:+.3f} [{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}]; "
+            + "per tag "
+            + ", ".join(f"{t} {v:+.3f}" for t, v in g["gain_per_tag"].items())
+            + "; probe "
+            + " / ".join(f"{v:.3f}" for v in g["probe"]["geneval_mean_over_seeds"])
+        )
+    (HERE / "gains.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
