@@ -5,17 +5,22 @@ For each ``--threads`` value a fresh process runs ``pretrain_base`` for ``--step
 reads the seconds per step of each phase from its history; the projection is
 ``ae_steps × ae s/step + steps × flow s/step`` of ``params.yaml``'s `base` section, against
 issue 18's 30-minute budget. Then, at one thread, ``torch.profiler`` splits the flow step's
-forward and backward (the model at ``--model``; its weights do not change the cost) into
+forward and backward (the model the first timed run saved: the recipe's architecture, whose
+weights do not change the cost) into
 convolutions, attention, matrix products and the rest.
 
     python benchmarks/pretrain_speed.py            # ~5 min; run it alone on the machine
-Writes reports/base/pretrain_speed.json.
+    python benchmarks/pretrain_speed.py --set base.unet_channels=[32,48] --threads 2 \
+        --out reports/base/<candidate>/pretrain_speed.json   # a candidate recipe
+Writes reports/base/pretrain_speed.json (``--out``); ``--set`` overrides ``params.yaml`` as
+``-S`` does for ``creditflow``, for the timed runs, the projection and the profile alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -34,12 +39,13 @@ import torch
 torch.set_num_threads(int(sys.argv[1]))
 from pipeline.config import load_config
 from pipeline.pretrain import pretrain_base, pretrain_pool
-cfg = load_config("params.yaml")
+cfg = load_config("params.yaml", json.loads(sys.argv[3]))
 steps = int(sys.argv[2])
 params = cfg.base.model_copy(update={"ae_steps": steps, "steps": steps, "refine_steps": 0})
-history = pretrain_base(tempfile.mkdtemp(), prompts=pretrain_pool(cfg), params=params,
+out = tempfile.mkdtemp(prefix="pretrain_speed-")
+history = pretrain_base(out, prompts=pretrain_pool(cfg), params=params,
                         image_size=cfg.world.image_size, progress=False)
-print(json.dumps({phase: s / steps for phase, s in history["seconds"].items()}))
+print(json.dumps({"model": out, **{phase: s / steps for phase, s in history["seconds"].items()}}))
 """
 
 # aten operators by what they compute; everything else is "other"
@@ -50,10 +56,11 @@ OP_GROUPS = {
 }
 
 
-def seconds_per_step(threads: int, steps: int) -> dict[str, float]:
-    """Seconds per autoencoder and per flow step of the default recipe, in a fresh process."""
+def seconds_per_step(threads: int, steps: int, overrides: list[str] = ()) -> dict:
+    """Seconds per autoencoder and per flow step of the recipe (``params.yaml`` with
+    ``overrides``), in a fresh process, and the directory (``model``) of the model it saved."""
     out = subprocess.run(
-        [sys.executable, "-c", TIME_PHASES, str(threads), str(steps)],
+        [sys.executable, "-c", TIME_PHASES, str(threads), str(steps), json.dumps(list(overrides))],
         cwd=REPO, capture_output=True, text=True, check=True,
     )  # fmt: skip
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -106,15 +113,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--steps", type=int, default=60, help="timed steps per phase")
-    parser.add_argument("--model", type=Path, default=REPO / "data/base/model")
     parser.add_argument("--out", type=Path, default=REPO / "reports/base/pretrain_speed.json")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override params.yaml for the recipe timed (repeatable), e.g. base.steps=2400",
+    )  # fmt: skip
     args = parser.parse_args()
 
-    cfg = load_config(REPO / "params.yaml")
+    cfg = load_config(REPO / "params.yaml", args.overrides)
     base = cfg.base
-    rows = []
+    rows, models = [], []
     for threads in args.threads:
-        per_step = seconds_per_step(threads, args.steps)
+        per_step = seconds_per_step(threads, args.steps, args.overrides)
+        models.append(Path(per_step["model"]))
         projected = base.ae_steps * per_step["autoencoder"] + base.steps * per_step["flow"]
         rows.append(
             {
@@ -128,13 +139,16 @@ def main() -> None:
         print(rows[-1], flush=True)
     result = {
         "recipe": {"ae_steps": base.ae_steps, "steps": base.steps, "batch_size": base.batch_size},
+        "overrides": args.overrides,
         "timed_steps": args.steps,
         "budget_minutes": BUDGET_SECONDS / 60,
         "machine": cpu_model(),
         "by_threads": rows,
-        "flow_step_operator_shares": operator_shares(args.model, base, cfg.world.image_size),
+        "flow_step_operator_shares": operator_shares(models[0], base, cfg.world.image_size),
         "command": "python benchmarks/pretrain_speed.py " + " ".join(sys.argv[1:]),
     }
+    for model in models:  # the timed runs' own temporary directories
+        shutil.rmtree(model, ignore_errors=True)
     print(result["flow_step_operator_shares"])
     with atomic_path(args.out) as tmp:
         tmp.write_text(json.dumps(result, indent=2) + "\n")
