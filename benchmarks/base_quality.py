@@ -237,16 +237,22 @@ def single_object_by_shape(backend, cfg, images_per_prompt: int, seed: int, comm
         num_steps=cfg.sampling.num_steps,
         **common,
     )
+    accuracy = accuracy_by_shape(images, rows, lines)
+    per_shape = min(8, images_per_prompt)
+    shown = [i * images_per_prompt + j for i in range(len(lines)) for j in range(per_shape)]
+    return accuracy, (images[shown], [rows[i]["prompt"] for i in shown])
+
+
+def accuracy_by_shape(images: torch.Tensor, rows: list[dict], lines: list[dict]) -> dict:
+    """{shape: share of its images judged correct} for single_object ``lines``; ``images``
+    (N, 3, H, W) in [0, 1] are the samples of ``rows`` (N lines of ``lines``, repeated)."""
     verdicts = judge(images, rows)
-    accuracy = {
+    return {
         line["include"][0]["class"]: float(
             np.mean([v["correct"] for v in verdicts if v["prompt"] == line["prompt"]])
         )
         for line in lines
     }
-    per_shape = min(8, images_per_prompt)
-    shown = [i * images_per_prompt + j for i in range(len(lines)) for j in range(per_shape)]
-    return accuracy, (images[shown], [rows[i]["prompt"] for i in shown])
 
 
 def log_to_mlflow(

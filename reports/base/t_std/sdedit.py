@@ -23,8 +23,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
+from benchmarks.base_quality import accuracy_by_shape  # noqa: E402
 from pipeline import sampling  # noqa: E402
-from pipeline.evaluation import judge  # noqa: E402
 from pipeline.models import ShapesBackend  # noqa: E402
 from pipeline.world import render_batch, whole_world  # noqa: E402
 
@@ -50,16 +50,8 @@ def survival(backend: ShapesBackend, rows: list[dict], lines: list[dict]) -> dic
             sigma = float(sigmas[k])
             start = torch.full((len(rows),), k, dtype=torch.long)
             final = sampling.ode_complete(velocity, (1 - sigma) * x0 + sigma * eps, start, sigmas)
-            verdicts = judge(backend.decode(final).clamp(0, 1), rows)
-            result[f"{sigma:.3f}"] = {
-                line["include"][0]["class"]: round(
-                    float(
-                        np.mean([v["correct"] for v in verdicts if v["prompt"] == line["prompt"]])
-                    ),
-                    3,
-                )
-                for line in lines
-            }
+            accuracy = accuracy_by_shape(backend.decode(final).clamp(0, 1), rows, lines)
+            result[f"{sigma:.3f}"] = {shape: round(a, 3) for shape, a in accuracy.items()}
             print(sigma, result[f"{sigma:.3f}"], flush=True)
     return result
 

@@ -20,7 +20,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO))
-from pipeline.evaluation import generate, judge  # noqa: E402
+from benchmarks.base_quality import accuracy_by_shape  # noqa: E402
+from pipeline.evaluation import generate  # noqa: E402
 from pipeline.models import ShapesBackend  # noqa: E402
 from pipeline.world import render_batch, whole_world  # noqa: E402
 
@@ -29,13 +30,7 @@ SAMPLERS = [(10, 4.5), (20, 4.5), (40, 4.5), (10, 2.5), (10, 7.0)]  # (ODE steps
 
 
 def per_shape(images: torch.Tensor, rows: list[dict], lines: list[dict]) -> dict[str, float]:
-    verdicts = judge(images, rows)
-    return {
-        line["include"][0]["class"]: round(
-            float(np.mean([v["correct"] for v in verdicts if v["prompt"] == line["prompt"]])), 3
-        )
-        for line in lines
-    }
+    return {shape: round(a, 3) for shape, a in accuracy_by_shape(images, rows, lines).items()}
 
 
 def main() -> None:
