@@ -125,7 +125,7 @@ class BaseParams(Section):
     caption_dropout: Probability = 0.1  # share of empty captions, for classifier-free guidance
     # logit-normal timestep sampling (SD3): mean and std of the logit; ln 3 matches shift 3
     t_mean: float = 1.0986
-    t_std: PositiveFloat = 1.0
+    t_std: PositiveFloat = 0.8  # 1.0 lost squares mid-schedule (reports/base/t_std/)
     seed: int = 0
     latent_channels: Annotated[int, Field(ge=0)] = 4  # autoencoder latent channels; 0 = pixels
     ae_channels: list[PositiveInt] = [16, 32]  # autoencoder widths per resolution level
