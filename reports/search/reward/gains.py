@@ -18,7 +18,8 @@ seed, the gain over the base and the difference to the rule-reward runs of the s
 flow_grpo for draft.py's), each with the report's bootstrap CI over seeds and prompts
 (`pipeline.report.difference`), the gain per tag, the held-out probe's mean over seeds against
 training NFEs, and the training prompts' GenEval accuracy (`train/accuracy`, logged whatever
-the reward), first 3 rounds (steps) against last 3.
+the reward), first 3 rounds (steps) against last 3; `probe.png` plots the probe curves against
+training NFEs.
 """
 
 import argparse
@@ -164,6 +165,24 @@ def flips(verdicts: dict[str, str]) -> dict:
     return out
 
 
+def plot(out: dict, path: Path) -> None:
+    """Held-out probe (mean over seeds) against training NFEs, one line per reward and method;
+    every curve starts at the base's probe (0 NFEs)."""
+    plt = rep._pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, g in out.items():
+        if isinstance(g, dict) and "probe_mean" in g:
+            style = "-" if name.startswith(DRAFT) else "--" if name.startswith(REFERENCE) else ":"
+            ax.plot(np.asarray(g["probe_nfe"]) / 1000, g["probe_mean"], style, marker="o",
+                    markersize=3, label=f"{name} ({len(g['runs'])} seed(s))")  # fmt: skip
+    ax.set(xlabel="training NFEs (thousands; a backward counts as two)",
+           ylabel="held-out probe GenEval", title="GRPO (dashed: rule reward, dotted: "
+           "ShapesCLIP) vs the exact ShapesCLIP gradient (solid)")  # fmt: skip
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=7)
+    rep._save(fig, path)
+
+
 def line(name: str, g: dict) -> str:
     def ci(d: dict) -> str:
         return f"{d['diff']:+.3f} [{d['ci95'][0]:+.3f}, {d['ci95'][1]:+.3f}]"
@@ -212,6 +231,7 @@ def main() -> None:
             print(f"; {both} also turned by the {REFERENCE} run of its seed", end="")
         print()
     (HERE / "gains.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(out, HERE / "probe.png")
 
 
 if __name__ == "__main__":
