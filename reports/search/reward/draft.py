@@ -36,6 +36,7 @@ from pipeline import layout, sampling  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluation import geneval_protocol, judge  # noqa: E402
 from pipeline.grpo import lora_parameters  # noqa: E402
+from pipeline.io import write_text  # noqa: E402
 from pipeline.policy import Policy  # noqa: E402
 from pipeline.rewards import SHAPESCLIP_DIR  # noqa: E402
 from pipeline.shapesclip import load_shapesclip  # noqa: E402
@@ -123,16 +124,14 @@ def main() -> None:
         if step % args.probe_every == 0 or step == args.steps:
             history["probes"][str(step)] = probe(backend, cfg, test)
             tqdm.write(f"step {step}: probe {history['probes'][str(step)]['overall']:.3f}")
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "history.json").write_text(json.dumps(history, indent=1) + "\n")
+        write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
 
     with torch.no_grad():
         _, results, summary = geneval_protocol(backend, test, cfg)
-    (args.out / "eval").mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(row) + "\n" for row in results)
-    (args.out / "eval" / "results.jsonl").write_text(lines)
+    write_text(args.out / "eval" / "results.jsonl", lines)
     metrics = {k: summary[k] for k in ("overall", "per_tag")}
-    (args.out / "eval" / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    write_text(args.out / "eval" / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
 
 

@@ -37,6 +37,7 @@ from pipeline import layout  # noqa: E402
 from pipeline import report as rep  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.geneval import TAGS  # noqa: E402
+from pipeline.io import write_text  # noqa: E402
 from stages.report import eval_matrix  # noqa: E402
 
 REFERENCE = "geneval"  # the committed default runs' reward
@@ -112,12 +113,20 @@ def curves(reward: str, runs: list[str]) -> dict:
     }
 
 
+def by_method(runs: dict[str, list[float]]) -> dict[str, list[str]]:
+    """Run names ("<method>-s<seed>") grouped by method, both sorted."""
+    grouped: dict[str, list[str]] = {}
+    for run in sorted(runs):
+        grouped.setdefault(run.rsplit("-s", 1)[0], []).append(run)
+    return dict(sorted(grouped.items()))
+
+
 def gains(accuracy: dict, tags: np.ndarray) -> dict:
     base = np.asarray([accuracy["base"]])
     out = {"base_geneval": float(rep.geneval_overall(base[0], tags))}
+    references = by_method(accuracy[REFERENCE])
     for reward in [r for r in accuracy if r not in ("base", "verdicts")]:
-        for method in sorted({run.rsplit("-s", 1)[0] for run in accuracy[reward]}):
-            runs = sorted(r for r in accuracy[reward] if r.rsplit("-s", 1)[0] == method)
+        for method, runs in by_method(accuracy[reward]).items():
             trained = np.asarray([accuracy[reward][r] for r in runs])
             entry = {
                 "runs": runs,
@@ -129,8 +138,7 @@ def gains(accuracy: dict, tags: np.ndarray) -> dict:
             if reward != REFERENCE:  # against the rule reward's runs of the method (draft:
                 # of flow_grpo, the baseline)
                 other = "flow_grpo" if reward == DRAFT else method
-                reference = sorted(r for r in accuracy[REFERENCE] if r.rsplit("-s", 1)[0] == other)
-                ref = np.asarray([accuracy[REFERENCE][r] for r in reference])
+                ref = np.asarray([accuracy[REFERENCE][r] for r in references[other]])
                 entry["minus_reference"] = {
                     "reference": f"{REFERENCE}/{other}",
                     **rep.difference(trained, ref, tags),
@@ -214,7 +222,7 @@ def main() -> None:
     if args.copy or args.draft:
         copies, drafts = ({k: Path(v) for k, v in (a.split("=", 1) for a in given)}
                           for given in (args.copy, args.draft))  # fmt: skip
-        ACCURACY.write_text(json.dumps(collect(cfg, test, copies, drafts)) + "\n")
+        write_text(ACCURACY, json.dumps(collect(cfg, test, copies, drafts)) + "\n")
     stored = json.loads(ACCURACY.read_text())
     out = gains(stored, tags)
     out["flips_against_base"] = flips(stored["verdicts"])
@@ -230,7 +238,7 @@ def main() -> None:
         if (both := f.get(f"turned_by_{REFERENCE}_run_too")) is not None:
             print(f"; {both} also turned by the {REFERENCE} run of its seed", end="")
         print()
-    (HERE / "gains.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_text(HERE / "gains.json", json.dumps(out, indent=2) + "\n")
     plot(out, HERE / "probe.png")
 
 
