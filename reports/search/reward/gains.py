@@ -6,6 +6,7 @@ from `params.yaml` only in that line (`data/prompts`, `data/base/model`, `data/b
 linked). Held-out GenEval (the evaluation protocol, rule-based) is what is read, as always.
 
     python reports/search/reward/gains.py --copy shapes_clip=COPY --draft RUN=OUT ...  # collect
+    python reports/search/reward/gains.py --add --copy LABEL=COPY ...  # add to what is stored
     python reports/search/reward/gains.py                               # report what is stored
 
 Collecting reads each policy's per-prompt accuracy (`data/eval/<policy>/results.jsonl`) of
@@ -45,11 +46,15 @@ DRAFT = "draft"  # draft.py's runs: the exact gradient of ShapesCLIP
 ACCURACY = HERE / "accuracy.json"
 
 
-def collect(cfg, test: list[dict], copies: dict[str, Path], drafts: dict[str, Path]) -> dict:
+def collect(
+    cfg, test: list[dict], copies: dict[str, Path], drafts: dict[str, Path], stored: dict | None
+) -> dict:
     """{"base": [P], reward: {run: [P]}, "draft": {run: [P]}} per-prompt accuracy, and
     "verdicts": {"base" or "reward/run": "0110..."} each evaluation image's verdict in the
     protocol's order (the same seeds for every policy: paired); copies each copy's run curves
-    and each `draft.py` run's history beside this file."""
+    and each `draft.py` run's history beside this file. With `stored` (the accuracy collected
+    before) the copies and runs given are added to it, so a later study need not have every
+    earlier run's evaluation on disk; a copy's label ("reward") may name any variant."""
 
     def verdicts(folder: Path) -> str:
         lines = (folder / "results.jsonl").read_text().splitlines()
@@ -63,11 +68,14 @@ def collect(cfg, test: list[dict], copies: dict[str, Path], drafts: dict[str, Pa
         return {run: row.round(6).tolist() for run, row in zip(runs, matrix, strict=True)}
 
     main_eval = REPO / layout.EVAL
-    out = {"base": eval_matrix(cfg, ["base"], test, folder=main_eval)[0].round(6).tolist()}
-    out[REFERENCE] = rows(main_eval, runs_in(main_eval))
-    out["verdicts"] = {"base": verdicts(main_eval / "base")} | {
-        f"{REFERENCE}/{run}": verdicts(main_eval / run) for run in out[REFERENCE]
-    }
+    if stored is not None:
+        out = stored
+    else:
+        out = {"base": eval_matrix(cfg, ["base"], test, folder=main_eval)[0].round(6).tolist()}
+        out[REFERENCE] = rows(main_eval, runs_in(main_eval))
+        out["verdicts"] = {"base": verdicts(main_eval / "base")} | {
+            f"{REFERENCE}/{run}": verdicts(main_eval / run) for run in out[REFERENCE]
+        }
     for reward, copy in copies.items():
         out[reward] = rows(copy / layout.EVAL, runs_in(copy / layout.EVAL))
         out["verdicts"] |= {f"{reward}/{r}": verdicts(copy / layout.EVAL / r) for r in out[reward]}
@@ -76,7 +84,7 @@ def collect(cfg, test: list[dict], copies: dict[str, Path], drafts: dict[str, Pa
             target.mkdir(parents=True, exist_ok=True)
             for name in ("probe.json", "rounds.json", "metrics.json"):
                 shutil.copy(copy / "reports" / "train" / run / name, target / name)
-    out[DRAFT] = {}
+    out.setdefault(DRAFT, {})
     for run, folder in drafts.items():
         out[DRAFT][run] = eval_matrix(cfg, ["eval"], test, folder=folder)[0].round(6).tolist()
         out["verdicts"][f"{DRAFT}/{run}"] = verdicts(folder / "eval")
@@ -184,8 +192,8 @@ def plot(out: dict, path: Path) -> None:
             ax.plot(np.asarray(g["probe_nfe"]) / 1000, g["probe_mean"], style, marker="o",
                     markersize=3, label=f"{name} ({len(g['runs'])} seed(s))")  # fmt: skip
     ax.set(xlabel="training NFEs (thousands; a backward counts as two)",
-           ylabel="held-out probe GenEval", title="GRPO (dashed: rule reward, dotted: "
-           "ShapesCLIP) vs the exact ShapesCLIP gradient (solid)")  # fmt: skip
+           ylabel="held-out probe GenEval", title="GRPO (dashed: the committed default runs, "
+           "dotted: variants by label) vs the exact ShapesCLIP gradient (solid)")  # fmt: skip
     ax.title.set_fontsize(9)
     ax.legend(fontsize=7)
     rep._save(fig, path)
@@ -215,6 +223,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--copy", action="append", default=[], help="REWARD=PATH of a copy")
     parser.add_argument("--draft", action="append", default=[], help="RUN=OUT of draft.py")
+    parser.add_argument("--add", action="store_true", help="add to the stored accuracy.json")
     args = parser.parse_args()
     cfg = load_config(REPO / "params.yaml")
     test = layout.load_prompts(cfg, "test")
@@ -222,7 +231,8 @@ def main() -> None:
     if args.copy or args.draft:
         copies, drafts = ({k: Path(v) for k, v in (a.split("=", 1) for a in given)}
                           for given in (args.copy, args.draft))  # fmt: skip
-        write_text(ACCURACY, json.dumps(collect(cfg, test, copies, drafts)) + "\n")
+        stored = json.loads(ACCURACY.read_text()) if args.add else None
+        write_text(ACCURACY, json.dumps(collect(cfg, test, copies, drafts, stored)) + "\n")
     stored = json.loads(ACCURACY.read_text())
     out = gains(stored, tags)
     out["flips_against_base"] = flips(stored["verdicts"])
