@@ -134,7 +134,8 @@ def gains(accuracy: dict, tags: np.ndarray) -> dict:
     out = {"base_geneval": float(rep.geneval_overall(base[0], tags))}
     references = by_method(accuracy[REFERENCE])
     for reward in [r for r in accuracy if r not in ("base", "verdicts")]:
-        for method, runs in by_method(accuracy[reward]).items():
+        methods = by_method(accuracy[reward])
+        for method, runs in methods.items():
             trained = np.asarray([accuracy[reward][r] for r in runs])
             entry = {
                 "runs": runs,
@@ -151,6 +152,10 @@ def gains(accuracy: dict, tags: np.ndarray) -> dict:
                     "reference": f"{REFERENCE}/{other}",
                     **rep.difference(trained, ref, tags),
                 }
+            if method != "flow_grpo" and "flow_grpo" in methods:  # the claims' baseline,
+                # trained under the same variant
+                flow = np.asarray([accuracy[reward][r] for r in methods["flow_grpo"]])
+                entry["minus_flow_grpo"] = rep.difference(trained, flow, tags)
             out[f"{reward}/{method}"] = entry
     return out
 
@@ -208,6 +213,7 @@ def line(name: str, g: dict) -> str:
         f"{name}: " + " / ".join(f"{v:.3f}" for v in g["geneval_per_seed"]),
         f"gain {ci(g['gain_over_base'])}",
         *([f"minus {g[key]['reference']} {ci(g[key])}"] if (key := "minus_reference") in g else []),
+        *([f"minus its flow_grpo {ci(g['minus_flow_grpo'])}"] if "minus_flow_grpo" in g else []),
         " ".join(f"{t} {tags[t]:+.3f}" for t in ("counting", "position", "two_object")),
         "probe at "
         + ", ".join(
