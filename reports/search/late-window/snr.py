@@ -20,8 +20,11 @@ from argparse import Namespace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gradient_snr  # noqa: E402
+
+from pipeline.io import write_json  # noqa: E402
 
 
 def main(prompts: int, windows: list[tuple[int, int]]) -> None:
@@ -34,7 +37,7 @@ def main(prompts: int, windows: list[tuple[int, int]]) -> None:
         gradient_snr.ROWS[name] = ("flow_grpo", overrides)
         row = gradient_snr.measure(name, args)
         out = Path(__file__).parent / f"snr-p{prompts}-w{start}-{end}.json"
-        out.write_text(json.dumps(row, indent=2) + "\n")
+        write_json(out, row)
         print(json.dumps(row), flush=True)
 
 

@@ -2,7 +2,8 @@
 raise the GenEval accuracy of their own rollouts on the training prompts (last 3 rounds, against
 the default run of the same seed, which drew the same prompts) but not held-out GenEval. Is that
 gain tied to the prompts (training lines against test prompts) or to the sampler (the
-rollout's SDE against the evaluation's ODE-20)? For each policy, GenEval accuracy of
+rollout's SDE against the evaluation's ODE-20)? For each policy, GenEval overall accuracy
+(`pipeline.geneval.summarize`: the mean over tags) of
 
 - `test_rollout`: the 144 test prompts x 8, sampled as one training round of its project (its
   SDE window, shared x_T per prompt group; fixed seed, so paired across policies of one window);
@@ -27,6 +28,7 @@ sys.path.insert(0, str(REPO))
 from pipeline import layout  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.evaluation import geneval_protocol, judge  # noqa: E402
+from pipeline.geneval import summarize  # noqa: E402
 from pipeline.io import write_json  # noqa: E402
 from pipeline.rounds import CountingVelocity, Schedule, rollout_round  # noqa: E402
 from stages.evaluate import policy_backend  # noqa: E402
@@ -53,7 +55,7 @@ def measure(project: Path, run: str) -> dict:
         "project": str(project),
         "run": run,
         "window": [cfg.rollout.window_start, cfg.rollout.window_end],
-        "test_rollout": sum(v["correct"] for v in rollout_verdicts) / len(rollout_verdicts),
+        "test_rollout": summarize(rollout_verdicts)["overall"],
         "train_eval": summary["overall"],
         "train_eval_per_tag": summary["per_tag"],
     }
