@@ -131,7 +131,8 @@ def table() -> str:
         seed = path.stem.rsplit("-s", 1)[1]
         lr, pw = r["likelihood_ratio_mean"], r["pathwise_mean"]
         lines.append(
-            f"| {r['window'][0]}-{r['window'][1]} ({seed}) | {r['prompts']} | "
+            f"| {r['window'][0]}-{r['window'][1]} ({seed})"
+            f"{', antithetic' if 'antithetic' in path.stem else ''} | {r['prompts']} | "
             f"{r['reference_samples']}: {r['cosine_cap_mean']:.2f} | "
             f"{pw['8']:.2f} / {pw['64']:.2f} | "
             + " / ".join(f"{lr[g]:.2f}" for g in lr)
@@ -149,6 +150,12 @@ def main() -> None:
     parser.add_argument("--reference", type=int, default=64, help="pathwise samples per prompt")
     parser.add_argument("--samples", type=int, default=64, help="evaluated samples per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--antithetic",
+        action="store_true",
+        help="evaluated samples in antithetic pairs: the second of each pair the first's noise "
+        "negated (session 28)",
+    )
     args = parser.parse_args()
     if args.table:
         print(table())
@@ -181,6 +188,8 @@ def main() -> None:
         reference = halves[0] + halves[1]
         reward = torch.cat([r for _, r in chunks])
         noise = torch.randn(args.samples, *shape, generator=generator)
+        if args.antithetic:
+            noise[1::2] = -noise[0::2]
         lr = sampler.likelihood_ratio(prompt, x_T, noise, sizes)
         path = [sampler.pathwise(prompt, x_T, n)[0] for n in noise.split(CHUNK)]
         split_half = cos(*halves)
@@ -222,7 +231,8 @@ def main() -> None:
         / (len(weighted) * (len(weighted) - 1) / 2),  # fmt: skip
         "per_prompt": rows,
     }
-    write_json(HERE / f"estimator-cosine-w{start}-{end}-s{args.seed}.json", out)
+    anti = "-antithetic" if args.antithetic else ""
+    write_json(HERE / f"estimator-cosine-w{start}-{end}{anti}-s{args.seed}.json", out)
     print(json.dumps({k: v for k, v in out.items() if k != "per_prompt"}, indent=1))
 
 
