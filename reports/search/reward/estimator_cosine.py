@@ -17,7 +17,8 @@ the prompts share (what held-out prompts can gain from).
     OMP_NUM_THREADS=1 python reports/search/reward/estimator_cosine.py --window 0 3
     python reports/search/reward/estimator_cosine.py --table   # every stored result, markdown
 
-writes `estimator-cosine-w<START>-<END>-s<SEED>.json` beside this file. Base policy (fresh LoRA).
+writes `estimator-cosine-w<START>-<END>[-antithetic]-s<SEED>.json` beside this file. Base policy
+(fresh LoRA).
 """
 
 import argparse
