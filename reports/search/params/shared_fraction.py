@@ -89,33 +89,30 @@ class Pathwise:
         named = [(f"text.{n}", p) for n, p in backend.text_encoder.named_parameters()]
         named += [(f"unet.{n}", p) for n, p in backend.transformer.named_parameters()]
         self.names, self.params = zip(*named, strict=True)
+        self.denoiser_params = list(backend.transformer.parameters())
         self.sigmas = sampling.timesteps_sigmas(cfg.sampling.num_steps, shift=cfg.sampling.shift)
         self.guidance, self.eta = cfg.sampling.guidance, cfg.rollout.eta[KIND]
         self.uncond = backend.encode_prompts([""])  # no grad: the fixed CFG branch
 
     def __call__(self, prompt: str, x_T, noise) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """noise (B, T, C, H, W) -> ({group: gradient (P_group,)}, rewards (B,))."""
-        ids = self.backend.tokenize([prompt] * len(noise))
+        embeds = self.backend.embed_tokens(self.backend.tokenize([prompt] * len(noise)))
+        fixed = PromptEmbeds(embeds.hidden.detach(), embeds.pooled.detach())  # off the window
         x = x_T.expand(len(noise), -1, -1, -1)  # x_T (1 or B, C, H, W)
         s = self.sigmas
         for k in range(len(self.window)):
             active = bool(self.window[k])
-            for p in self.params:
+            for p in self.denoiser_params:
                 p.requires_grad_(active)
-            if active:
-                embeds = self.backend.embed_tokens(ids)
-            else:
-                with torch.no_grad():
-                    embeds = self.backend.embed_tokens(ids)
-                embeds = PromptEmbeds(embeds.hidden.detach(), embeds.pooled.detach())
             v = self.backend.velocity(
-                x, s[k].expand(len(x)), embeds, guidance=self.guidance, uncond=self.uncond
-            )
+                x, s[k].expand(len(x)), embeds if active else fixed, guidance=self.guidance,
+                uncond=self.uncond,
+            )  # fmt: skip
             x = sampling.sde_step(
                 x, v, float(s[k]), float(s[k + 1]), kind=self.kind if active else "ode",
                 eta=self.eta, noise=noise[:, k], sigma_max=float(s[1]),
             ).prev_sample  # fmt: skip
-        for p in self.params:
+        for p in self.denoiser_params:
             p.requires_grad_(True)
         reward = self.clip.score(self.backend.decode(x), [prompt] * len(x))
         grads = torch.autograd.grad(reward.sum(), self.params, allow_unused=True)
@@ -161,14 +158,12 @@ def table() -> str:
         for g, row in r["groups"].items():
             p = row["pairwise"]
             lines.append(
-                f"| {r['window'][0]}-{r['window'][1]} ({seed}), {r.get('x_T', 'one per prompt')}"
-                f"{', ODE' if r.get('sampler') == 'ode' else ''} | "
+                f"| {r['window'][0]}-{r['window'][1]} ({seed}), {r['x_T']}"
+                f"{', ODE' if r['sampler'] == 'ode' else ''} | "
                 f"{g} | {row['parameters']} | "
                 f"{row['energy_share']:.3f} | {row['split_half_mean']:.2f} | "
                 + " / ".join(f"{p[k]:+.3f}" for k in PAIRS) + " | "
-                + (" / ".join(f"{row['pairwise_noise_free'][k]:+.3f}" for k in PAIRS)
-                   if "pairwise_noise_free" in row else "")
-                + " |"
+                + " / ".join(f"{row['pairwise_noise_free'][k]:+.3f}" for k in PAIRS) + " |"
             )  # fmt: skip
     return "\n".join(lines)
 
@@ -219,7 +214,7 @@ def main() -> None:
         halves = {
             g: [sum(c[0][g] for c in part) for part in (chunks[::2], chunks[1::2])] for g in GROUPS
         }
-        halves["lora_targets"] = [torch.cat([h[i] for h in map(halves.get, LORA)]) for i in (0, 1)]
+        halves["lora_targets"] = [torch.cat([halves[g][i] for g in LORA]) for i in (0, 1)]
         std = max(float(reward.std(correction=0)), 1e-4)
         references.append({g: (h[0] + h[1]) / args.samples / std for g, h in halves.items()})
         rows.append({
