@@ -71,15 +71,12 @@ def with_relation(meta: dict, relation: str) -> dict:
     return changed
 
 
-def stated_relation(meta: dict) -> str:
-    return next(c["position"][0] for c in meta["include"] if "position" in c)
-
-
-def measure(rows: list[dict], detections: list[dict]) -> dict:
-    """The module docstring's `drawn`, `relation` and `color_binding` for judged images."""
+def measure(rows: list[dict], detections: list[dict], judged: list[dict]) -> dict:
+    """The module docstring's `drawn`, `relation` and `color_binding`; `judged` holds the
+    images' GenEval verdicts (`pipeline.geneval.verdicts` of the same rows and detections)."""
     drawn = {tag: Counter() for tag in TWO_CLASS}
     stated, others, colors = [], [], []
-    for meta, found in zip(rows, detections, strict=True):
+    for meta, found, verdict in zip(rows, detections, judged, strict=True):
         if meta["tag"] not in TWO_CLASS:
             continue
         category = drawn_category(meta, found)
@@ -87,15 +84,15 @@ def measure(rows: list[dict], detections: list[dict]) -> dict:
         if category != "both named":
             continue
         if meta["tag"] == "position":
-            relation = stated_relation(meta)
-            stated.append(evaluate(meta, found)[0])
+            relation = next(c["position"][0] for c in meta["include"] if "position" in c)
+            stated.append(verdict["correct"])
             others.append(
                 np.mean(
                     [evaluate(with_relation(meta, r), found)[0] for r in RELATIONS if r != relation]
                 )
             )
         elif meta["tag"] == "color_attr":
-            colors.append(evaluate(meta, found)[0])
+            colors.append(verdict["correct"])
     return {
         "drawn": {
             tag: {k: counts[k] / sum(counts.values()) for k in DRAWN}
@@ -126,7 +123,8 @@ def run(args) -> None:
         batch_size=64,
     )
     detections = detect_batch(images)
-    summary = summarize(verdicts(rows, detections))
+    judged = verdicts(rows, detections)
+    summary = summarize(judged)
     result = {
         "model": str(
             args.model.absolute().relative_to(REPO)
@@ -136,7 +134,7 @@ def run(args) -> None:
         "images_per_prompt": args.images_per_prompt,
         "seed": args.seed,
         "geneval": {"overall": summary["overall"], **summary["per_tag"]},
-        **measure(rows, detections),
+        **measure(rows, detections, judged),
     }
     write_json(HERE / f"{args.label}.json", result)
     print(json.dumps(result, indent=1))
