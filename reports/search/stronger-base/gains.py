@@ -6,13 +6,16 @@ copies' evaluation verdicts (`eval/<policy>/results.jsonl`, the `evaluate` proto
 curves (`train/<run>/probe.json`).
 
     python reports/search/stronger-base/gains.py
+    python reports/search/stronger-base/gains.py reports/search/composing-base/late-two-class
 
-prints each base's gain table and writes gains.json beside this file: per base, the base's
-GenEval, flow_grpo's per seed, its gain over the base with the report's bootstrap CI over seeds
-and prompts (`pipeline.report.difference`), the gain per tag, and the probe curve's mean over
-seeds.
+prints each base's gain table and writes gains.json beside this file (for folders given as
+arguments, such as session 30's base that composes two classes, into the first one's parent):
+per base, the base's GenEval, flow_grpo's per seed, its gain over the base with the report's
+bootstrap CI over seeds and prompts (`pipeline.report.difference`), the gain per tag, and the
+probe curve's mean over seeds.
 """
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ from pipeline import layout  # noqa: E402
 from pipeline import report as rep  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.geneval import TAGS  # noqa: E402
+from pipeline.io import write_json  # noqa: E402
 from stages.report import eval_matrix  # noqa: E402
 
 METHOD = "flow_grpo"
@@ -49,11 +53,14 @@ def base_gains(folder: Path, cfg, test: list[dict], tags: np.ndarray) -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="*", type=Path, help="default: base-s* beside this file")
+    folders = parser.parse_args().folders
     cfg = load_config(REPO / "params.yaml")
     test = layout.load_prompts(cfg, "test")
     tags = np.array([TAGS.index(m["tag"]) for m in test])
     out = {}
-    for folder in sorted(HERE.glob("base-s*")):
+    for folder in folders or sorted(HERE.glob("base-s*")):
         out[folder.name] = g = base_gains(folder, cfg, test, tags)
         gain = g["gain_over_base"]
         print(
@@ -65,7 +72,7 @@ def main() -> None:
             + "; probe "
             + " / ".join(f"{v:.3f}" for v in g["probe"]["geneval_mean_over_seeds"])
         )
-    (HERE / "gains.json").write_text(json.dumps(out, indent=2) + "\n")
+    write_json((folders[0].parent if folders else HERE) / "gains.json", out)
 
 
 if __name__ == "__main__":
