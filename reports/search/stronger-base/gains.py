@@ -8,11 +8,11 @@ curves (`train/<run>/probe.json`).
     python reports/search/stronger-base/gains.py
     python reports/search/stronger-base/gains.py reports/search/composing-base/late-two-class
 
-prints each base's gain table and writes gains.json beside this file (for folders given as
-arguments, such as session 30's base that composes two classes, into the first one's parent):
-per base, the base's GenEval, flow_grpo's per seed, its gain over the base with the report's
-bootstrap CI over seeds and prompts (`pipeline.report.difference`), the gain per tag, and the
-probe curve's mean over seeds.
+prints each base's gain table and writes gains.json (`--method M`: gains-M.json, the runs M-s*)
+beside this file (for folders given as arguments, such as session 30's base that composes two
+classes, into the first one's parent): per base, the base's GenEval, the method's GenEval per
+seed, its gain over the base with the report's bootstrap CI over seeds and prompts
+(`pipeline.report.difference`), the gain per tag, and the probe curve's mean over seeds.
 """
 
 import argparse
@@ -32,11 +32,9 @@ from pipeline.geneval import TAGS  # noqa: E402
 from pipeline.io import write_json  # noqa: E402
 from stages.report import eval_matrix  # noqa: E402
 
-METHOD = "flow_grpo"
 
-
-def base_gains(folder: Path, cfg, test: list[dict], tags: np.ndarray) -> dict:
-    runs = sorted(p.name for p in (folder / "eval").iterdir() if p.name.startswith(METHOD))
+def base_gains(folder: Path, method: str, cfg, test: list[dict], tags: np.ndarray) -> dict:
+    runs = sorted(p.name for p in (folder / "eval").iterdir() if p.name.startswith(method))
     base = eval_matrix(cfg, ["base"], test, folder=folder / "eval")
     trained = eval_matrix(cfg, runs, test, folder=folder / "eval")
     probes = [json.loads((folder / "train" / run / "probe.json").read_text()) for run in runs]
@@ -55,16 +53,18 @@ def base_gains(folder: Path, cfg, test: list[dict], tags: np.ndarray) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="*", type=Path, help="default: base-s* beside this file")
-    folders = parser.parse_args().folders
+    parser.add_argument("--method", default="flow_grpo", help="the runs <method>-s* of each base")
+    args = parser.parse_args()
+    folders = args.folders
     cfg = load_config(REPO / "params.yaml")
     test = layout.load_prompts(cfg, "test")
     tags = np.array([TAGS.index(m["tag"]) for m in test])
     out = {}
     for folder in folders or sorted(HERE.glob("base-s*")):
-        out[folder.name] = g = base_gains(folder, cfg, test, tags)
+        out[folder.name] = g = base_gains(folder, args.method, cfg, test, tags)
         gain = g["gain_over_base"]
         print(
-            f"{folder.name}: base {g['base_geneval']:.3f}, {METHOD} per seed "
+            f"{folder.name}: base {g['base_geneval']:.3f}, {args.method} per seed "
             + " / ".join(f"{v:.3f}" for v in g["geneval_per_seed"])
             + f", gain {gain['diff']:+.3f} [{gain['ci95'][0]:+.3f}, {gain['ci95'][1]:+.3f}]; "
             + "per tag "
@@ -72,7 +72,8 @@ def main() -> None:
             + "; probe "
             + " / ".join(f"{v:.3f}" for v in g["probe"]["geneval_mean_over_seeds"])
         )
-    write_json((folders[0].parent if folders else HERE) / "gains.json", out)
+    name = "gains.json" if args.method == "flow_grpo" else f"gains-{args.method}.json"
+    write_json((folders[0].parent if folders else HERE) / name, out)
 
 
 if __name__ == "__main__":
