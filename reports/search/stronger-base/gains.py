@@ -12,7 +12,9 @@ prints each base's gain table and writes gains.json (`--method M`: gains-M.json,
 beside this file (for folders given as arguments, such as session 30's base that composes two
 classes, into the first one's parent): per base, the base's GenEval, the method's GenEval per
 seed, its gain over the base with the report's bootstrap CI over seeds and prompts
-(`pipeline.report.difference`), the gain per tag, and the probe curve's mean over seeds.
+(`pipeline.report.difference`), the gain per tag, the probe curve's mean over seeds, and per
+policy (the base and each run) the two_object and position images that hold both named classes
+and that are judged right (`composition`, read from the verdicts' reasons).
 """
 
 import argparse
@@ -33,8 +35,26 @@ from pipeline.io import write_json  # noqa: E402
 from stages.report import eval_matrix  # noqa: E402
 
 
+def composition(verdicts_path: Path) -> dict:
+    """Per two-class tag of a policy's verdicts: images, those holding both named classes (no
+    reason line "expected <class>>=1, found 0"; each clause of these tags asks for one object)
+    and those judged right."""
+    rows = [json.loads(line) for line in verdicts_path.read_text().splitlines() if line]
+    counts = {}
+    for tag in ("two_object", "position"):
+        judged = [r for r in rows if r["tag"] == tag]
+        missing = sum(
+            any(line.endswith(">=1, found 0") for line in r["reason"].splitlines()) for r in judged
+        )
+        right = sum(r["correct"] for r in judged)
+        counts[tag] = {"images": len(judged), "both_named": len(judged) - missing, "right": right}
+    return counts
+
+
 def base_gains(folder: Path, method: str, cfg, test: list[dict], tags: np.ndarray) -> dict:
     runs = sorted(p.name for p in (folder / "eval").iterdir() if p.name.startswith(method))
+    if not runs:
+        raise SystemExit(f"error: {folder / 'eval'} holds no {method}-s* runs")
     base = eval_matrix(cfg, ["base"], test, folder=folder / "eval")
     trained = eval_matrix(cfg, runs, test, folder=folder / "eval")
     probes = [json.loads((folder / "train" / run / "probe.json").read_text()) for run in runs]
@@ -47,6 +67,10 @@ def base_gains(folder: Path, method: str, cfg, test: list[dict], tags: np.ndarra
         "gain_over_base": rep.difference(trained, base, tags),
         "gain_per_tag": rep.tag_gains(trained, base, tags),
         "probe": {"rounds": rounds, "geneval_mean_over_seeds": curve.round(4).tolist()},
+        "composition": {
+            policy: composition(folder / "eval" / policy / "results.jsonl")
+            for policy in ["base", *runs]
+        },
     }
 
 
