@@ -24,6 +24,7 @@ from pydantic import (
 Method = Literal["flow_grpo", "stepwise", "tp_grpo"]
 SamplerKind = Literal["ode", "flow_grpo", "cps", "stepwise"]
 Tag = Literal["single_object", "two_object", "counting", "colors", "position", "color_attr"]
+TagWeights = dict[Tag, Annotated[float, Field(ge=0)]]  # tag -> weight, drawn in proportion
 PositiveInt = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Probability = Annotated[float, Field(ge=0, le=1)]
@@ -76,6 +77,12 @@ class WorldParams(Section):
         return shapes
 
 
+def _with_positive_sum(weights: TagWeights) -> TagWeights:
+    if sum(weights.values()) <= 0:
+        raise ValueError("the tag weights must have a positive sum")
+    return weights
+
+
 def _flow_grpo_mix() -> dict[str, float]:
     from pipeline.world import FLOW_GRPO_MIX
 
@@ -89,14 +96,12 @@ class PromptsParams(Section):
     n_test: PositiveInt = 144  # spread evenly over the six tags
     seed: int = 0
     # training lines per tag, in proportion (Flow-GRPO's GenEval mix by default)
-    mix: dict[Tag, Annotated[float, Field(ge=0)]] = Field(default_factory=_flow_grpo_mix)
+    mix: TagWeights = Field(default_factory=_flow_grpo_mix)
 
     @field_validator("mix")
     @classmethod
-    def _mix_has_weight(cls, mix: dict[str, float]) -> dict[str, float]:
-        if sum(mix.values()) <= 0:
-            raise ValueError("the tag weights must have a positive sum")
-        return mix
+    def _mix_has_weight(cls, mix: TagWeights) -> TagWeights:
+        return _with_positive_sum(mix)
 
 
 class ModelParams(Section):
@@ -150,6 +155,15 @@ class BaseParams(Section):
     refine_steps: Annotated[int, Field(ge=0)] = 0  # 0: the first cycle is the base model
     refine_lr: PositiveFloat = 5e-4
     refine_warmup: Annotated[int, Field(ge=0)] = 100
+    # the refine cycle's batches: each tag drawn in proportion to its weight (a tag left out:
+    # never); empty: tag-balanced like the first cycle. A late curriculum toward two-class
+    # scenes makes the base place the pair as stated (reports/base/composition/README.md)
+    refine_tag_weights: TagWeights = {}
+
+    @field_validator("refine_tag_weights")
+    @classmethod
+    def _weights_have_a_positive_sum(cls, weights: TagWeights) -> TagWeights:
+        return weights and _with_positive_sum(weights)
 
 
 class ShapesCLIPParams(Section):

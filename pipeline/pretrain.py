@@ -26,7 +26,7 @@ import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -146,15 +146,39 @@ def _world_prompts() -> list[str]:
 
 
 def _batches(
-    prompts: list[dict], batch_size: int, rng: np.random.Generator
+    prompts: list[dict],
+    batch_size: int,
+    rng: np.random.Generator,
+    tag_weights: Mapping[str, float] | None = None,
 ) -> Callable[[], list[dict]]:
     """Metadata batches drawn tag-balanced from ``prompts``, either object order (the world's
     ``sample_metadata``): the train split is mostly color_attr lines, a uniform draw over lines
-    would starve single_object and counting."""
-    from pipeline.world import sample_metadata
+    would starve single_object and counting.
+
+    With ``tag_weights`` (tag -> weight, a tag left out weighs 0) each sample's tag is drawn in
+    proportion to its weight instead, the tags in alphabetical order (the order of session 30's
+    measured curriculum, so that these settings rebuild its base), then a line of that tag
+    uniformly in a random wording. ValueError if a weighted tag has no line in ``prompts``.
+    """
+    from pipeline.world import random_variant, sample_metadata
+
+    if not tag_weights:
+        return lambda: sample_metadata(rng, batch_size, pool=prompts)
+    by_tag: dict[str, list[dict]] = {}
+    for meta in prompts:
+        by_tag.setdefault(meta["tag"], []).append(meta)
+    if missing := sorted(t for t, w in tag_weights.items() if w > 0 and t not in by_tag):
+        raise ValueError(f"tag weights name tags with no pretraining scene: {', '.join(missing)}")
+    tags = sorted(by_tag)
+    shares = np.array([tag_weights.get(tag, 0.0) for tag in tags], dtype=float)
+    shares /= shares.sum()
 
     def draw() -> list[dict]:
-        return sample_metadata(rng, batch_size, pool=prompts)
+        out = []
+        for _ in range(batch_size):
+            lines = by_tag[tags[rng.choice(len(tags), p=shares)]]
+            out.append(random_variant(lines[rng.integers(len(lines))], rng))
+        return out
 
     return draw
 
@@ -225,8 +249,9 @@ def pretrain_base(
     Refine cycle (``refine_steps`` > 0): a second flow cycle that restarts from the first one's
     EMA weights with a fresh optimizer and EMA, a ``refine_warmup`` warmup to ``refine_lr`` and a
     cosine decay over ``refine_steps`` (a warm restart, Loshchilov & Hutter 2017), drawing its
-    batches and noise from generators seeded by (seed, 1), so that it depends on the first cycle
-    only through the saved weights. ``resume_from`` is a directory written by an earlier call
+    batches (tag-balanced, or by ``refine_tag_weights``: a late curriculum) and noise from
+    generators seeded by (seed, 1), so that it depends on the first cycle only through the
+    saved weights. ``resume_from`` is a directory written by an earlier call
     whose arguments equal this one's except ``refine_*`` (else ValueError): its first cycle is
     loaded instead of retrained, giving the same result as a run from scratch.
     Autoencoder phase: ae_* (skipped with ``latent_channels=0``: pixel space). Model dims as in
@@ -249,7 +274,7 @@ def pretrain_base(
         snapshot_every=snapshot_every,
         snapshot_dir=snapshot_dir and str(snapshot_dir),
         progress=progress,
-        **params.model_dump(include=_REFINE_ARGS),
+        **_refine_arguments(params),
         prompts_sha256=prompts_digest(prompts),
     )
     seed, batch_size, refine_steps = params.seed, params.batch_size, params.refine_steps
@@ -264,7 +289,7 @@ def pretrain_base(
         flow_losses = history["flow_loss"]
         _train_flow(
             backend,
-            _batches(prompts, batch_size, rng),
+            _batches(prompts, batch_size, rng, params.refine_tag_weights),
             lambda metas: render_batch(metas, rng, image_size).float(),
             torch.Generator().manual_seed(seed + 2),
             flow_losses,
@@ -291,7 +316,7 @@ def prompts_digest(prompts: list[dict]) -> str:
 # `base` settings that pretrain_base does not read: the pool is chosen by its caller
 _NOT_PRETRAIN_PARAMS = {"pool"}
 # the arguments that only the refine cycle reads, and those that do not change the weights
-_REFINE_ARGS = {"refine_steps", "refine_lr", "refine_warmup"}
+_REFINE_ARGS = {"refine_steps", "refine_lr", "refine_warmup", "refine_tag_weights"}
 _NON_MODEL_ARGS = {"out_dir", "snapshot_every", "snapshot_dir", "progress"}
 # the flow-phase arguments both cycles share
 _FLOW_ARGS = (
@@ -307,6 +332,15 @@ _FLOW_ARGS = (
 
 # settings added after histories were first written, with the value that had effect before
 _BEFORE_THEIR_KEY = {"denoiser": "mmdit"}
+
+
+def _refine_arguments(params: BaseParams) -> dict:
+    """The refine settings as a history records them: tag weights only where set, so that a
+    tag-balanced base made before the setting existed has the files this code writes."""
+    refine = params.model_dump(include=_REFINE_ARGS)
+    if not refine["refine_tag_weights"]:
+        del refine["refine_tag_weights"]
+    return refine
 
 
 def _resume(directory: Path, arguments: dict) -> tuple[ShapesBackend, dict]:

@@ -41,6 +41,12 @@ def test_every_section_of_params_yaml_is_a_config_field():
         ("rollout.window_start=10", "rollout.window_start..window_end selects steps [10, 3)"),
         ("score.rewards={}", "score.rewards: needs at least one reward with a positive weight"),
         ("score.rewards={genevla: 1}", "score.rewards: 'genevla' is not one of geneval, "),
+        ("base.refine_tag_weights={position: 0}", "base.refine_tag_weights: the tag weights must"),
+        (
+            "base.refine_tag_weights={posture: 1}",
+            "base.refine_tag_weights.posture.[key]: 'posture'",
+        ),
+        ("prompts.mix={}", "prompts.mix: the tag weights must have a positive sum"),
     ],
 )
 def test_bad_values_give_one_line_naming_the_key(override, message):

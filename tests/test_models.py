@@ -21,12 +21,13 @@ from pipeline.models import (
 from pipeline.pretrain import (
     EMA,
     HISTORY_FILE,
+    _batches,
     flow_matching_loss,
     logit_normal_t,
     lr_factor,
     pretrain_base,
 )
-from pipeline.world import make_prompts
+from pipeline.world import canonical_key, make_prompts, sample_metadata
 
 PROMPTS = [
     "a photo of a red circle",
@@ -309,11 +310,17 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
         prompts=train, steps=3, batch_size=4, warmup=1, ae_steps=2, ae_batch_size=4, seed=5,
         progress=False, denoiser="mmdit", **{**TINY, "image_size": 32, "ae_channels": (8, 8, 8)},
     )  # fmt: skip
-    refine = dict(refine_steps=3, refine_lr=5e-4, refine_warmup=1)
+    refine = dict(
+        refine_steps=3, refine_lr=5e-4, refine_warmup=1,
+        refine_tag_weights={"counting": 1.0, "position": 2.0},
+    )  # fmt: skip
     scratch = pretrain(tmp_path / "scratch", **kwargs, **refine)
+    assert scratch["params"]["refine_tag_weights"] == {"counting": 1.0, "position": 2.0}
     pretrain(tmp_path / "first", **kwargs)
-    # a first cycle saved before the denoiser choice existed is the MMDiT's, whatever the default
     history = json.loads((tmp_path / "first" / HISTORY_FILE).read_text())
+    # unset tag weights are not recorded: bases made before the setting keep their files
+    assert "refine_tag_weights" not in history["params"]
+    # a first cycle saved before the denoiser choice existed is the MMDiT's, whatever the default
     del history["params"]["denoiser"], history["params"]["unet_channels"]
     (tmp_path / "first" / HISTORY_FILE).write_text(json.dumps(history))
     resumed = pretrain(tmp_path / "resumed", resume_from=tmp_path / "first", **kwargs, **refine)
@@ -341,6 +348,23 @@ def test_refine_resumed_from_a_first_cycle_equals_a_run_from_scratch(tmp_path):
         )
     with pytest.raises(ValueError, match="refine cycle"):
         pretrain(tmp_path / "z", resume_from=tmp_path / "scratch", **kwargs, **refine)
+
+
+def test_refine_tag_weights_draw_each_tag_in_proportion():
+    train, _ = make_prompts(120, 6, seed=0)
+    rng = np.random.default_rng(3)
+    draw = _batches(train, 2000, rng, {"position": 3.0, "two_object": 1.0, "colors": 0.0})
+    tags = [meta["tag"] for meta in draw()]
+    assert set(tags) == {"position", "two_object"}
+    assert abs(tags.count("position") / len(tags) - 0.75) < 0.03  # 4.4 binomial std
+    # the drawn lines are the pool's scenes, in any wording and object order
+    scenes = {canonical_key(meta) for meta in train}
+    assert all(canonical_key(meta) in scenes for meta in draw())
+    # no weights: the tag-balanced draw of the first cycle, batch for batch
+    balanced = _batches(train, 8, np.random.default_rng(4), {})
+    assert balanced() == sample_metadata(np.random.default_rng(4), 8, pool=train)
+    with pytest.raises(ValueError, match="no pretraining scene: counting"):
+        _batches([m for m in train if m["tag"] != "counting"], 8, rng, {"counting": 1.0})
 
 
 def test_a_prompts_embedding_does_not_depend_on_what_it_was_encoded_with():
