@@ -252,6 +252,9 @@ class UpdateParams(Section):
     """`update` stage: PPO-clip GRPO on LoRA weights."""
 
     lr: PositiveFloat = 1e-3
+    # over the run: constant, or cosine to lr / 10 by the run's progress (NFEs spent over
+    # train.nfe_budget, or rounds over train.rounds without a budget)
+    lr_decay: Literal["constant", "cosine"] = "constant"
     lora_rank: PositiveInt = 8
     lora_alpha: PositiveFloat = 16.0
     clip_range: PositiveFloat = 1e-3  # PPO ratio clip; log-probs are means over elements

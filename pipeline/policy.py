@@ -33,6 +33,7 @@ from pipeline.config import Config, ConfigError, CreditflowError
 from pipeline.grpo import add_lora, load_lora_state, lora_parameters, lora_state_dict
 from pipeline.io import atomic_path, file_lock, write_json
 from pipeline.layout import REPORTS
+from pipeline.schedules import lr_factor
 
 _CHECKPOINT = re.compile(r"^round-(\d+)$")
 INPUTS_FILE = "inputs.json"
@@ -50,6 +51,9 @@ _SPEED_KEYS = (
     "score.estimate_images",
     "update.micro_batch_size",
 )
+# Keys added after runs were first recorded, with the value those runs implicitly used: a run's
+# inputs name them only when they differ, so that a finished run still resumes on newer code.
+_ADDED_KEYS = {"update.lr_decay": '"constant"'}
 REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart
 LOCKS_DIR = ".locks"  # data/train/.locks/<run>.lock: who is training a run now
 _CONTENT_HASH_LIMIT = 64 * 2**20  # bytes; larger files (SD3.5 weights) go by size and mtime
@@ -110,6 +114,19 @@ class Policy:
             torch.save(torch.get_rng_state(), tmp / "rng.pt")
             (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True))
         return target
+
+    def schedule_lr(self, cfg: Config, run: Path, round_index: int) -> dict[str, float]:
+        """Set round `round_index`'s step size (`round_lr`, from the NFEs the run's earlier
+        checkpoints spent); {"train/lr": lr} when `update.lr_decay` decays it, else {}."""
+        if cfg.update.lr_decay == "constant":
+            return {}
+        done = checkpoints(Path(run) / "checkpoints")
+        spent = sum(load_round_metrics(path)["cost/round_nfe"]
+                    for r, path in done.items() if r < round_index)  # fmt: skip
+        lr = round_lr(cfg, round_index, spent)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return {"train/lr": lr}
 
     def load(self, checkpoint: Path, *, with_optimizer: bool = True) -> None:
         checkpoint = Path(checkpoint)
@@ -182,6 +199,9 @@ def run_inputs(cfg: Config) -> dict[str, str]:
         for key, value in flat.items()
         if (key.split(".")[0] in _RUN_SECTIONS or key in _RUN_KEYS) and key not in _SPEED_KEYS
     }
+    for key, implicit in _ADDED_KEYS.items():
+        if inputs.get(key) == implicit:
+            del inputs[key]
     for name, path in [
         ("base_model", cfg.path(cfg.model.path)),
         ("prompts", prompts_file(cfg, "train")),
@@ -354,6 +374,18 @@ def round_fits_budget(budget: float, spent: float, last_round_nfe: float | None)
     if not budget or last_round_nfe is None:
         return True
     return spent + last_round_nfe <= budget
+
+
+def round_lr(cfg: Config, round_index: int, spent_nfe: float) -> float:
+    """The step size of round `round_index` under `update.lr_decay`: `update.lr`, or a cosine
+    decay from it to lr / 10 over the run's progress before the round, the NFEs already spent
+    over `train.nfe_budget` (rounds done over `train.rounds` without a budget). Progress by
+    NFEs gives methods compared at equal NFE equal step sizes at equal NFE."""
+    if cfg.update.lr_decay == "constant":
+        return cfg.update.lr
+    budget = cfg.train.nfe_budget
+    progress = spent_nfe / budget if budget else round_index / cfg.train.rounds
+    return cfg.update.lr * lr_factor(progress, warmup=0, total=1.0)
 
 
 def load_round_metrics(checkpoint: Path) -> dict[str, float]:

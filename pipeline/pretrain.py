@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -38,6 +37,7 @@ from pipeline.config import BaseParams, Config
 from pipeline.io import atomic_path
 from pipeline.layout import load_prompts
 from pipeline.models import ShapesBackend, ShapesConfig, vocabulary
+from pipeline.schedules import lr_factor
 
 RenderBatch = Callable[[list[dict], np.random.Generator, int], torch.Tensor]
 HISTORY_FILE = "pretrain_history.json"
@@ -87,17 +87,6 @@ def autoencoder_loss(
     err = recon - pixels
     recon_loss = (weight * (err.abs() + err.pow(2))).mean()
     return recon_loss + kl_weight * posterior.kl().mean()
-
-
-def lr_factor(step: int, warmup: int, total: int | None = None, min_factor: float = 0.1) -> float:
-    """Linear warmup over ``warmup`` steps; then constant, or with ``total`` a cosine decay to
-    ``min_factor`` at step ``total``."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if total is None:
-        return 1.0
-    progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-    return min_factor + (1.0 - min_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class EMA:

@@ -30,6 +30,7 @@ def update(
     run = Path(run) if run else layout.train_run(cfg)
     policy = policy or restore(cfg, run, before_round=round_index)
     rollout = read_rollout(run / "rollouts", round_index)
+    scheduled = policy.schedule_lr(cfg, run, round_index)
     start = time.perf_counter()
     metrics = rounds.update_round(
         policy.backend,
@@ -42,7 +43,7 @@ def update(
         round_index=round_index,
         ranks=ranks,
     )
-    metrics["time/update_s"] = time.perf_counter() - start
+    metrics |= scheduled | {"time/update_s": time.perf_counter() - start}
     if ranks.is_main:  # every rank holds the same weights: one checkpoint
         policy.save(run / "checkpoints", round_index, (round_metrics or {}) | metrics)
     distributed.barrier(ranks)

@@ -24,9 +24,9 @@ from pipeline.pretrain import (
     _batches,
     flow_matching_loss,
     logit_normal_t,
-    lr_factor,
     pretrain_base,
 )
+from pipeline.schedules import lr_factor
 from pipeline.world import canonical_key, make_prompts, sample_metadata
 
 PROMPTS = [

@@ -563,3 +563,63 @@ def test_train_accuracy_is_read_off_the_geneval_scores_without_a_second_detectio
     monkeypatch.undo()
     bright = load_config(tiny_project / "params.yaml", ["score.rewards={brightness: 1}"])
     assert rounds.final_verdicts(table, rollout, metadata, bright).tolist() == detected.tolist()
+
+
+@pytest.mark.parametrize(
+    ("decay", "budget", "round_index", "spent", "factor"),
+    [
+        ("constant", 100.0, 3, 50.0, 1.0),
+        ("cosine", 100.0, 0, 0.0, 1.0),  # the first round takes the full step
+        ("cosine", 100.0, 3, 50.0, 0.55),  # half the NFEs spent: (1 + 0.1) / 2
+        ("cosine", 100.0, 5, 100.0, 0.1),  # the floor, lr / 10
+        ("cosine", 0.0, 2, 1e9, 0.55),  # no budget: 2 of train.rounds = 4 rounds done
+    ],
+)
+def test_round_lr_decays_by_the_nfes_spent(tiny_project, decay, budget, round_index, spent, factor):
+    from pipeline.policy import round_lr
+
+    cfg = load_config(
+        tiny_project / "params.yaml",
+        ["update.lr=0.2", f"update.lr_decay={decay}", f"train.nfe_budget={budget}",
+         "train.rounds=4"],
+    )  # fmt: skip
+    assert round_lr(cfg, round_index, spent) == pytest.approx(0.2 * factor)
+
+
+def test_a_decaying_lr_steps_each_round_by_its_nfes_and_resumes_alike(tiny_project):
+    """Each round's optimizer step uses round_lr of the NFEs the earlier rounds spent, logged as
+    train/lr; a run killed after round 0 resumes with the same step sizes and weights."""
+    overrides = ["update.lr_decay=cosine", "update.lr=0.01", "train.rounds=3"]
+    cfg, _ = train(tiny_project, overrides)
+    rounds = json.loads(_rounds_json(cfg).read_text())
+    per_round = rounds[0]["cost/round_nfe"]
+    budget = cfg.train.nfe_budget
+    assert budget > 3 * per_round  # the tiny config's budget leaves the decay mid-way
+    expected = [0.01 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * r * per_round / budget)))
+                for r in range(3)]  # fmt: skip
+    assert [r["train/lr"] for r in rounds] == pytest.approx(expected)
+    assert expected[2] < expected[1] < expected[0]
+    run = train_run(cfg)
+    straight = _lora(run)
+    assert json.loads((run / INPUTS_FILE).read_text())["update.lr_decay"] == '"cosine"'
+
+    import shutil
+
+    shutil.rmtree(run)
+    train(tiny_project, [*overrides[:2], "train.rounds=1"])  # "killed" after round 0
+    train(tiny_project, overrides)
+    resumed = _lora(run)
+    assert all(torch.equal(resumed[k], straight[k]) for k in straight)
+    assert [r["train/lr"] for r in json.loads(_rounds_json(cfg).read_text())] == pytest.approx(
+        expected
+    )
+
+
+def test_a_constant_lr_is_not_recorded_so_runs_from_before_the_setting_resume(tiny_project):
+    """`update.lr_decay` came after runs were recorded: its implicit value stays out of a run's
+    inputs (a finished run still resumes, its inputs.json unchanged) and no train/lr is logged."""
+    cfg, _ = train(tiny_project, ["train.rounds=1"])
+    assert "update.lr_decay" not in run_inputs(cfg)
+    assert "train/lr" not in json.loads(_rounds_json(cfg).read_text())[0]
+    cosine = load_config(tiny_project / "params.yaml", ["update.lr_decay=cosine"])
+    assert run_inputs(cosine)["update.lr_decay"] == '"cosine"'
