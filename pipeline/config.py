@@ -89,6 +89,11 @@ def _flow_grpo_mix() -> dict[str, float]:
     return dict(FLOW_GRPO_MIX)
 
 
+def _late_two_class_curriculum() -> dict[str, float]:
+    return {"single_object": 1.0, "two_object": 3.0, "counting": 1.0, "colors": 1.0,
+            "position": 6.0, "color_attr": 3.0}  # fmt: skip
+
+
 class PromptsParams(Section):
     """`prompts` stage: GenEval-format train/test prompt sets."""
 
@@ -151,14 +156,17 @@ class BaseParams(Section):
     text_layers: PositiveInt = 2
     text_heads: PositiveInt = 2
     max_length: PositiveInt = 12  # prompt tokens including [BOS]/[EOS]
-    # stage `refine`: a second flow cycle from the first one's weights (a warm restart)
-    refine_steps: Annotated[int, Field(ge=0)] = 0  # 0: the first cycle is the base model
+    # stage `refine`: a second flow cycle from the first one's weights (a warm restart). A base
+    # trained twice as long composes two classes, and GRPO learns on it (reports/search.md,
+    # sessions 30-32); 0: the first cycle is the base model
+    refine_steps: Annotated[int, Field(ge=0)] = 3000
     refine_lr: PositiveFloat = 5e-4
     refine_warmup: Annotated[int, Field(ge=0)] = 100
     # the refine cycle's batches: each tag drawn in proportion to its weight (a tag left out:
-    # never); empty: tag-balanced like the first cycle. A late curriculum toward two-class
-    # scenes makes the base place the pair as stated (reports/base/composition/README.md)
-    refine_tag_weights: TagWeights = {}
+    # never); empty: tag-balanced like the first cycle. The default, a late curriculum toward
+    # two-class scenes, makes the base place the pair as stated
+    # (reports/base/composition/README.md)
+    refine_tag_weights: TagWeights = Field(default_factory=_late_two_class_curriculum)
 
     @field_validator("refine_tag_weights")
     @classmethod
