@@ -324,10 +324,11 @@ _BEFORE_THEIR_KEY = {"denoiser": "mmdit"}
 
 
 def _refine_arguments(params: BaseParams) -> dict:
-    """The refine settings as a history records them: tag weights only where set, so that a
-    tag-balanced base made before the setting existed has the files this code writes."""
+    """The refine settings as a history records them: tag weights only where a refine cycle
+    draws by them, so that a first cycle, or a tag-balanced base made before the setting
+    existed, has the files this code writes."""
     refine = params.model_dump(include=_REFINE_ARGS)
-    if not refine["refine_tag_weights"]:
+    if not (refine["refine_steps"] and refine["refine_tag_weights"]):
         del refine["refine_tag_weights"]
     return refine
 
