@@ -1,0 +1,97 @@
+"""Session 33 scratch measurement (reports/search.md, session 33 §5): is position's relation out of
+reach of the policy's LoRA, or only of the reward signals? GRPO and DRaFT both left the share
+of position images placed as stated where the base had it (0.55), even when trained on position
+lines only. Here the same LoRA (rank 8 on the denoiser, AdamW at `update.lr`) is shown the
+relation directly: the pretraining's rectified-flow loss (`pipeline.pretrain.flow_step`, its
+caption dropout and timestep law) on fresh renders of the training split's position lines
+(random wordings and object orders, `world.sample_metadata`). If held-out position rises, the
+parameterisation can place objects as stated and the reward signals are what fail to teach it;
+if not, the LoRA on this base is the limit.
+
+    python reports/search/relation/supervised_lora.py --out reports/search/relation/NAME \
+        [--steps 300] [--batch 64] [--probe-every 100] [--seed 0] [--lr 1e-3]
+
+Writes `history.json` (loss per step, the held-out probe every `--probe-every` steps) and the
+evaluation protocol's `eval/results.jsonl` and `eval/metrics.json`, as draft.py does. The
+forward and backward of a step cost about 3 × batch denoiser evaluations (no CFG, no sampling).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE.parent / "reward"))
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from draft import probe  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from pipeline import layout, world  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.evaluation import geneval_protocol  # noqa: E402
+from pipeline.grpo import lora_parameters  # noqa: E402
+from pipeline.io import write_text  # noqa: E402
+from pipeline.policy import Policy  # noqa: E402
+from pipeline.pretrain import flow_step  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--probe-every", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's AdamW step size")
+    parser.add_argument("--tag", default="position", help="the training lines' tag")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    cfg = load_config(REPO / "params.yaml", [f"update.lr={args.lr}", f"train.seed={args.seed}"])
+    policy = Policy.create(cfg)
+    backend = policy.backend
+    for module in backend.modules.values():
+        if module is not backend.transformer:
+            module.requires_grad_(False)
+    lines = [m for m in layout.load_prompts(cfg, "train") if m["tag"] == args.tag]
+    test = layout.load_prompts(cfg, "test")
+    rng = np.random.default_rng(args.seed)
+    noise = torch.Generator().manual_seed(args.seed)
+    params = lora_parameters(backend.transformer)
+    history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "steps": [], "probes": {}}
+    history["probes"]["0"] = probe(backend, cfg, test)
+    start = time.perf_counter()
+    for step in tqdm(range(1, args.steps + 1), desc="supervised LoRA", unit="step"):
+        metas = world.sample_metadata(rng, args.batch, pool=lines)
+        images = world.render_batch(metas, rng, cfg.world.image_size).float()
+        backend.transformer.train()
+        loss = flow_step(
+            backend, policy.optimizer, params, metas, images, noise,
+            caption_dropout=cfg.base.caption_dropout, t_mean=cfg.base.t_mean,
+            t_std=cfg.base.t_std, grad_clip=cfg.update.max_grad_norm,
+        )  # fmt: skip
+        backend.eval()
+        history["steps"].append(
+            {"step": step, "loss": loss, "seconds": time.perf_counter() - start}
+        )
+        if step % args.probe_every == 0 or step == args.steps:
+            history["probes"][str(step)] = probe(backend, cfg, test)
+            tqdm.write(f"step {step}: probe {history['probes'][str(step)]}")
+        write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
+
+    with torch.no_grad():
+        _, results, summary = geneval_protocol(backend, test, cfg)
+    write_text(args.out / "eval" / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+    metrics = {k: summary[k] for k in ("overall", "per_tag")}
+    write_text(args.out / "eval" / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
+
+
+if __name__ == "__main__":
+    main()
