@@ -28,15 +28,12 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent / "reward"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from draft import probe  # noqa: E402
+from draft import lora_policy, probe, write_evaluation  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pipeline import layout, world  # noqa: E402
-from pipeline.config import load_config  # noqa: E402
-from pipeline.evaluation import geneval_protocol  # noqa: E402
 from pipeline.grpo import lora_parameters  # noqa: E402
 from pipeline.io import write_text  # noqa: E402
-from pipeline.policy import Policy  # noqa: E402
 from pipeline.pretrain import flow_step  # noqa: E402
 
 
@@ -53,12 +50,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    cfg = load_config(REPO / "params.yaml", [f"update.lr={args.lr}", f"train.seed={args.seed}"])
-    policy = Policy.create(cfg)
+    cfg, policy = lora_policy(args.lr, args.seed)
     backend = policy.backend
-    for module in backend.modules.values():
-        if module is not backend.transformer:
-            module.requires_grad_(False)
     lines = [m for m in layout.load_prompts(cfg, "train") if m["tag"] == args.tag]
     test = layout.load_prompts(cfg, "test")
     rng = np.random.default_rng(args.seed)
@@ -85,12 +78,7 @@ def main() -> None:
             tqdm.write(f"step {step}: probe {history['probes'][str(step)]}")
         write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
 
-    with torch.no_grad():
-        _, results, summary = geneval_protocol(backend, test, cfg)
-    write_text(args.out / "eval" / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
-    metrics = {k: summary[k] for k in ("overall", "per_tag")}
-    write_text(args.out / "eval" / "metrics.json", json.dumps(metrics, indent=1) + "\n")
-    print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
+    write_evaluation(backend, cfg, test, args.out)
 
 
 if __name__ == "__main__":

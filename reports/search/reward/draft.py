@@ -57,6 +57,28 @@ def sample_with_grad(backend, prompts, x_T, sigmas, guidance: float, truncate: i
     return x
 
 
+def lora_policy(lr: float, seed: int):
+    """The default config at this lr and seed, and a fresh policy whose LoRA on the denoiser is
+    the only trained part (every other module frozen). Returns (cfg, policy)."""
+    cfg = load_config(REPO / "params.yaml", [f"update.lr={lr}", f"train.seed={seed}"])
+    policy = Policy.create(cfg)
+    for module in policy.backend.modules.values():
+        if module is not policy.backend.transformer:
+            module.requires_grad_(False)
+    return cfg, policy
+
+
+def write_evaluation(backend, cfg, test, out: Path) -> None:
+    """The evaluation protocol's verdicts and scores into `out/eval/` (results.jsonl,
+    metrics.json), as `creditflow evaluate` writes them, and its summary printed."""
+    with torch.no_grad():
+        _, results, summary = geneval_protocol(backend, test, cfg)
+    write_text(out / "eval" / "results.jsonl", "".join(json.dumps(r) + "\n" for r in results))
+    metrics = {k: summary[k] for k in ("overall", "per_tag")}
+    write_text(out / "eval" / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
+
+
 def probe(backend, cfg, test) -> dict[str, float]:
     with torch.no_grad():
         _, _, summary = geneval_protocol(
@@ -78,12 +100,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    cfg = load_config(REPO / "params.yaml", [f"update.lr={args.lr}", f"train.seed={args.seed}"])
-    policy = Policy.create(cfg)
+    cfg, policy = lora_policy(args.lr, args.seed)
     backend = policy.backend
-    for module in backend.modules.values():
-        if module is not backend.transformer:
-            module.requires_grad_(False)
     clip = load_shapesclip(REPO / SHAPESCLIP_DIR).requires_grad_(False)
     train = layout.load_prompts(cfg, "train")
     test = layout.load_prompts(cfg, "test")
@@ -126,13 +144,7 @@ def main() -> None:
             tqdm.write(f"step {step}: probe {history['probes'][str(step)]['overall']:.3f}")
         write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
 
-    with torch.no_grad():
-        _, results, summary = geneval_protocol(backend, test, cfg)
-    lines = "".join(json.dumps(row) + "\n" for row in results)
-    write_text(args.out / "eval" / "results.jsonl", lines)
-    metrics = {k: summary[k] for k in ("overall", "per_tag")}
-    write_text(args.out / "eval" / "metrics.json", json.dumps(metrics, indent=1) + "\n")
-    print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
+    write_evaluation(backend, cfg, test, args.out)
 
 
 if __name__ == "__main__":
