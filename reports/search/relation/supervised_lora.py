@@ -17,7 +17,6 @@ forward and backward of a step cost about 3 × batch denoiser evaluations (no CF
 """
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,12 +27,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent / "reward"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from draft import lora_policy, probe, write_evaluation  # noqa: E402
+from draft import lora_policy, probe, record_step, write_evaluation  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pipeline import layout, world  # noqa: E402
 from pipeline.grpo import lora_parameters  # noqa: E402
-from pipeline.io import write_text  # noqa: E402
 from pipeline.pretrain import flow_step  # noqa: E402
 
 
@@ -73,10 +71,7 @@ def main() -> None:
         history["steps"].append(
             {"step": step, "loss": loss, "seconds": time.perf_counter() - start}
         )
-        if step % args.probe_every == 0 or step == args.steps:
-            history["probes"][str(step)] = probe(backend, cfg, test)
-            tqdm.write(f"step {step}: probe {history['probes'][str(step)]}")
-        write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
+        record_step(history, step, args, backend, cfg, test)
 
     write_evaluation(backend, cfg, test, args.out)
 

@@ -79,6 +79,15 @@ def write_evaluation(backend, cfg, test, out: Path) -> None:
     print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
 
 
+def record_step(history: dict, step: int, args, backend, cfg, test) -> None:
+    """After an optimizer step: the held-out probe when due (every `--probe-every` steps and
+    after the last), then `history.json` rewritten, so that a stopped run keeps its curve."""
+    if step % args.probe_every == 0 or step == args.steps:
+        history["probes"][str(step)] = probe(backend, cfg, test)
+        tqdm.write(f"step {step}: probe {history['probes'][str(step)]['overall']:.3f}")
+    write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
+
+
 def probe(backend, cfg, test) -> dict[str, float]:
     with torch.no_grad():
         _, _, summary = geneval_protocol(
@@ -139,10 +148,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - start,
             }
         )
-        if step % args.probe_every == 0 or step == args.steps:
-            history["probes"][str(step)] = probe(backend, cfg, test)
-            tqdm.write(f"step {step}: probe {history['probes'][str(step)]['overall']:.3f}")
-        write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
+        record_step(history, step, args, backend, cfg, test)
 
     write_evaluation(backend, cfg, test, args.out)
 
