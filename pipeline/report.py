@@ -9,6 +9,8 @@ min–max ranges do not overlap.
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +21,7 @@ import torch
 from torch import Tensor
 
 from pipeline.bench import BASELINE, CHALLENGERS, PHASES, TARGETS, Runs, seed_matrix
-from pipeline.geneval import TAGS
+from pipeline.geneval import RELATIONS, TAGS
 from pipeline.io import atomic_path
 
 COLORS = {"base": "#7f7f7f", "flow_grpo": "#1f77b4", "stepwise": "#ff7f0e", "tp_grpo": "#2ca02c"}
@@ -391,6 +393,71 @@ def _claims_verdict(claims: Mapping[str, Mapping | None]) -> str:
         "**Did step-wise credit beat the final-reward baseline** (the claim of Savani et al. 2026 "
         "and Tong et al. 2026) on held-out GenEval at equal NFE? " + "; ".join(parts) + "."
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# where the misses go
+
+_TOO_FEW = re.compile(r"expected (?:\w+ )?(\w+)>=\d+, found \d+")  # "[color ]class>=n"
+_TOO_MANY = re.compile(r"expected (\w+)<\d+, found \d+")
+_PLACED = re.compile(rf"expected \w+ ({'|'.join(RELATIONS)}) target, found (.+) target")
+AXES = {"left of": "horizontal", "right of": "horizontal", "above": "vertical", "below": "vertical"}
+MIN_FAILURE_SHARE = 0.005  # causes below this in every policy are summed into "other causes"
+
+
+def failure_cause(reason: str) -> str:
+    """The first failure a wrong verdict's reason names (`geneval.evaluate` writes one line per
+    failed clause, in clause order): `missing <class>` (fewer found than asked), `color` (found,
+    not in the asked color), `too many <class>` (counting's upper bound), `<axis> flipped`
+    (both there, on the asked axis the wrong way round), else `relation other`."""
+    line = reason.splitlines()[0] if reason else ""
+    if match := _TOO_FEW.match(line):
+        # "expected red star>=1, found 0 red; and 1 blue": the star is there, its color is not
+        return "color" if "; and" in line else f"missing {match.group(1)}"
+    if match := _TOO_MANY.match(line):
+        return f"too many {match.group(1)}"
+    if (match := _PLACED.match(line)) and match.group(2) in AXES:
+        asked, found = match.groups()
+        if AXES[asked] == AXES[found]:
+            return f"{AXES[asked]} flipped"
+    return "relation other"
+
+
+def failure_shares(verdicts: Sequence[Mapping]) -> dict[str, float]:
+    """cause -> the GenEval overall its wrong images would add if they were right, for one
+    policy's protocol verdicts ({tag, correct, reason} each). Overall is the mean of the tags'
+    accuracies, so an image weighs 1 / (tags x its tag's images); the shares sum to
+    1 - overall. Causes in decreasing share."""
+    images = Counter(v["tag"] for v in verdicts)
+    shares: Counter = Counter()
+    for v in verdicts:
+        if not v["correct"]:
+            shares[failure_cause(v["reason"])] += 1.0 / (len(images) * images[v["tag"]])
+    return dict(shares.most_common())
+
+
+def failures_markdown(shares: Mapping[str, Sequence[Mapping[str, float]]]) -> str:
+    """Causes (rows, in decreasing share of the first policy group) x policy groups (columns:
+    the mean over the group's seeds of `failure_shares`); causes under MIN_FAILURE_SHARE in
+    every group are summed into one row."""
+    means = {group: _mean_over_seeds(seeds) for group, seeds in shares.items() if seeds}
+    if not means:
+        return "No GenEval verdicts yet (`data/eval/<policy>/results.jsonl`)."
+    first = next(iter(means.values()))
+    causes = sorted({c for m in means.values() for c in m}, key=lambda c: -first.get(c, 0.0))
+    shown = [c for c in causes if max(m.get(c, 0.0) for m in means.values()) >= MIN_FAILURE_SHARE]
+    rows = [(c, [m.get(c, 0.0) for m in means.values()]) for c in shown]
+    if rest := [c for c in causes if c not in shown]:
+        rows.append(("other causes", [sum(m.get(c, 0.0) for c in rest) for m in means.values()]))
+    lines = ["| cause | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
+    lines += [f"| {c} | " + " | ".join(f"{v:.3f}" for v in values) + " |" for c, values in rows]
+    totals = " | ".join(f"**{sum(m.values()):.3f}**" for m in means.values())
+    return "\n".join([*lines, f"| all misses (1 − overall) | {totals} |"])
+
+
+def _mean_over_seeds(seeds: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    causes = {c for shares in seeds for c in shares}
+    return {c: float(np.mean([shares.get(c, 0.0) for shares in seeds])) for c in causes}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -847,6 +914,7 @@ def readme(
     header: str,
     verdict_lines: Sequence[str],
     geneval: str,
+    failures: str,
     samples: Sequence[str],
     cost: str,
     credit: str,
@@ -873,6 +941,16 @@ def readme(
     ]
     if samples:
         parts += ["Sample grids: " + " · ".join(samples), ""]
+    parts += [
+        "### Where the misses go",
+        "",
+        "Each wrong image of the protocol counted once, by the first failure its verdict names;",
+        "a cell is the GenEval overall those images would add if they were right (mean over",
+        "seeds), so a column sums to 1 − overall.",
+        "",
+        failures,
+        "",
+    ]
     parts += [
         "## Learning curves",
         "",

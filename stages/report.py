@@ -1,6 +1,7 @@
 """`report` stage: `reports/README.md` comparing the methods, with PNG figures.
 
-Reads `reports/train/<run>/rounds.json`, `reports/eval/<policy>/metrics.json` and, for the
+Reads `reports/train/<run>/rounds.json`, `reports/eval/<policy>/metrics.json`, the protocol's
+verdicts `data/eval/<policy>/results.jsonl` (where the misses go) and, for the
 credit diagnostics, the advantages, scores and estimate images cached under `data/train/<run>`
 (the configured `train.methods` x `train.seeds`). Whatever is missing is listed in the README's
 "Missing inputs" section and shown as "—"; nothing missing is an error. Writes
@@ -68,6 +69,7 @@ def report(cfg: Config) -> dict[str, float]:
             header=header(cfg),
             verdict_lines=rep.verdict(geneval, bench, profiles, runs, probes, experiment),
             geneval=rep.geneval_markdown(geneval),
+            failures=rep.failures_markdown(read_failures(cfg)),
             samples=samples,
             cost=rep.cost_markdown(bench),
             credit=rep.credit_markdown(runs, profiles),
@@ -234,14 +236,18 @@ def absent_runs(cfg: Config, runs: Runs) -> list[str]:
     ]
 
 
-def read_evals(cfg: Config, missing: list[str]) -> tuple[dict[str, list[dict]], list[str]]:
-    """GenEval metrics per group (base, each method over its seeds) and sample-grid links."""
-    groups = {"base": ["base"]} | {
+def policy_groups(cfg: Config) -> dict[str, list[str]]:
+    """The report's policy groups: base, and each method over its seeds."""
+    return {"base": ["base"]} | {
         m: [layout.run_name(m, s) for s in cfg.train.seeds] for m in cfg.train.methods
     }
+
+
+def read_evals(cfg: Config, missing: list[str]) -> tuple[dict[str, list[dict]], list[str]]:
+    """GenEval metrics per group (base, each method over its seeds) and sample-grid links."""
     evals: dict[str, list[dict]] = {}
     samples: list[str] = []
-    for group, policies in groups.items():
+    for group, policies in policy_groups(cfg).items():
         evals[group] = []
         for policy in policies:
             folder = cfg.path(layout.REPORTS / "eval" / policy)
@@ -252,6 +258,20 @@ def read_evals(cfg: Config, missing: list[str]) -> tuple[dict[str, list[dict]], 
             if (folder / "samples.png").is_file():
                 samples.append(f"[{policy}](eval/{policy}/samples.png)")
     return evals, samples
+
+
+def read_failures(cfg: Config) -> dict[str, list[dict[str, float]]]:
+    """Per group, `failure_shares` of each policy whose protocol verdicts are in `data/eval`
+    (a policy without them is already listed by `read_evals`)."""
+    failures: dict[str, list[dict[str, float]]] = {}
+    for group, policies in policy_groups(cfg).items():
+        paths = [cfg.path(layout.EVAL / policy / RESULTS) for policy in policies]
+        failures[group] = [
+            rep.failure_shares([json.loads(line) for line in path.read_text().splitlines() if line])
+            for path in paths
+            if path.is_file()
+        ]
+    return failures
 
 
 def read_method_advantages(cfg: Config, missing: list[str]) -> dict[str, pd.DataFrame]:

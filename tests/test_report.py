@@ -13,7 +13,7 @@ import torch
 from pipeline import layout
 from pipeline import report as rep
 from pipeline.config import load_config
-from pipeline.geneval import TAGS
+from pipeline.geneval import TAGS, Detection, evaluate
 from pipeline.io import write_json
 from pipeline.report import (
     Spread,
@@ -145,6 +145,14 @@ def write_inputs(root, cfg):
     for policy, overall in (("base", 0.4), ("flow_grpo-s0", 0.5), ("flow_grpo-s1", 0.7)):
         write_json(root / f"reports/eval/{policy}/metrics.json",
                    {"overall": overall, "per_tag": {"counting": overall}})  # fmt: skip
+    # verdicts: the base misses 3 of 4 counting images for too few stars, flow_grpo-s0 one
+    for policy, wrong in (("base", 3), ("flow_grpo-s0", 1)):
+        verdicts = [{"tag": "counting", "prompt": "three stars", "correct": i >= wrong,
+                     "reason": "expected star>=3, found 2" if i < wrong else ""}
+                    for i in range(4)]  # fmt: skip
+        path = root / layout.EVAL / policy / "results.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("".join(json.dumps(v) + "\n" for v in verdicts))
     write_json(root / "reports/eval/stepwise-s0/metrics.json", {"overall": 0.8, "per_tag": {}})
     run = layout.train_run(cfg, "stepwise", 0)
     (run / "advantages").mkdir(parents=True)
@@ -184,6 +192,10 @@ def test_report_stage_writes_readme_and_figures(project):
     assert "Did step-wise credit beat" not in text
     assert "- Diagnostic — **Rounds to flow_grpo's final reward" in text
     assert "[flow_grpo-s0](eval/flow_grpo-s0/samples.png)" not in text  # no grid written
+    # Where the misses go: one tag, so a wrong image of 4 weighs 0.25; groups without verdicts
+    # (stepwise, tp_grpo) get no column
+    assert "| cause | base | flow_grpo |\n|---|---|---|\n| missing star | 0.750 | 0.250 |" in text
+    assert "| all misses (1 − overall) | **0.750** | **0.250** |" in text
     # The stage's MLflow child run holds the README, the figures and the headline numbers.
     client = mlflow.tracking.MlflowClient(tracking_uri(project))
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
@@ -194,6 +206,83 @@ def test_report_stage_writes_readme_and_figures(project):
     assert parent.data.metrics["report/geneval_overall/flow_grpo"] == pytest.approx(0.6)
     logged = {artifact.path for artifact in client.list_artifacts(run.info.run_id)}
     assert logged == {"README.md", *FIGURES}
+
+
+def box(x: float, y: float) -> Detection:
+    """A 4-pixel detection centred at (x, y)."""
+    return Detection(box=(x - 2, y - 2, x + 2, y + 2), score=0.9, color="red")
+
+
+def test_failure_cause_reads_each_reason_the_judge_writes():
+    star_and_cross = {"include": [{"class": "star", "count": 1}, {"class": "cross", "count": 1}]}
+    blue_star = {"include": [{"class": "star", "count": 1, "color": "blue"}]}
+    two_circles = {
+        "include": [{"class": "circle", "count": 2}],
+        "exclude": [{"class": "circle", "count": 3}],
+    }
+    cross_left_of_square = {
+        "include": [
+            {"class": "square", "count": 1},
+            {"class": "cross", "count": 1, "position": ["left of", 0]},
+        ]
+    }
+    cases = [
+        (star_and_cross, {"cross": [box(8, 8)]}, "missing star"),
+        (star_and_cross, {"star": [box(8, 8)]}, "missing cross"),
+        (blue_star, {"star": [box(8, 8)]}, "color"),
+        (two_circles, {"circle": [box(4, 4), box(14, 4), box(24, 4)]}, "too many circle"),
+        (
+            cross_left_of_square,
+            {"square": [box(8, 16)], "cross": [box(24, 16)]},
+            "horizontal flipped",
+        ),
+        (cross_left_of_square, {"square": [box(16, 24)], "cross": [box(16, 8)]}, "relation other"),
+        (cross_left_of_square, {"cross": [box(8, 16)]}, "missing square"),  # the target first
+    ]
+    for meta, detections, cause in cases:
+        correct, reason = evaluate(meta, detections)
+        assert not correct and rep.failure_cause(reason) == cause, reason
+    assert evaluate(cross_left_of_square, {"square": [box(24, 16)], "cross": [box(8, 16)]})[0]
+    vertical = evaluate(
+        {"include": [{"class": "square", "count": 1},
+                     {"class": "cross", "count": 1, "position": ["above", 0]}]},
+        {"square": [box(16, 8)], "cross": [box(16, 24)]},
+    )[1]  # fmt: skip
+    assert rep.failure_cause(vertical) == "vertical flipped"
+
+
+def test_failure_shares_weigh_an_image_by_its_tags_size():
+    def verdict(tag, reason=""):
+        return {"tag": tag, "correct": not reason, "reason": reason}
+
+    star = "expected star>=1, found 0"
+    flipped = "expected cross left of target, found right of target"
+    # tag a: 2 images, one missing a star; tag b: 4 images, one flipped, one missing a star
+    verdicts = [verdict("a", star), verdict("a"), verdict("b", flipped), verdict("b", star),
+                verdict("b"), verdict("b")]  # fmt: skip
+    shares = rep.failure_shares(verdicts)
+    assert list(shares) == ["missing star", "horizontal flipped"]
+    assert shares["missing star"] == pytest.approx(1 / (2 * 2) + 1 / (2 * 4))
+    assert shares["horizontal flipped"] == pytest.approx(1 / (2 * 4))
+    overall = (1 / 2 + 2 / 4) / 2  # the mean of the tags' accuracies
+    assert sum(shares.values()) == pytest.approx(1 - overall)
+    assert rep.failure_shares([verdict("a")]) == {}
+
+
+def test_failures_markdown_averages_seeds_and_folds_small_causes():
+    shares = {
+        "base": [{"missing star": 0.2, "too many circle": 0.002}],
+        "flow_grpo": [{"missing star": 0.1, "color": 0.004}, {"missing star": 0.3}],
+        "tp_grpo": [],
+    }
+    assert rep.failures_markdown(shares).splitlines() == [
+        "| cause | base | flow_grpo |",
+        "|---|---|---|",
+        "| missing star | 0.200 | 0.200 |",
+        "| other causes | 0.002 | 0.002 |",
+        "| all misses (1 − overall) | **0.202** | **0.202** |",
+    ]
+    assert rep.failures_markdown({"base": []}).startswith("No GenEval verdicts yet")
 
 
 def test_tag_means_group_prompts_by_tag_and_keep_leading_axes():
