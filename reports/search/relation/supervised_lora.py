@@ -6,10 +6,14 @@ relation directly: the pretraining's rectified-flow loss (`pipeline.pretrain.flo
 caption dropout and timestep law) on fresh renders of the training split's position lines
 (random wordings and object orders, `world.sample_metadata`). If held-out position rises, the
 parameterisation can place objects as stated and the reward signals are what fail to teach it;
-if not, the LoRA on this base is the limit.
+if not, the LoRA on this base is the limit. Session 34: `--train` widens what the loss may
+change, to tell the LoRA from the text encoder (whose outputs for "X left of Y" and "X right of
+Y" differ by 5 %) and from the whole denoiser; `--with-class star` trains on the lines of
+every tag that name a star instead (the class most often missing, `reports/search/failures.py`).
 
     python reports/search/relation/supervised_lora.py --out reports/search/relation/NAME \
-        [--steps 300] [--batch 64] [--probe-every 100] [--seed 0] [--lr 1e-3]
+        [--steps 300] [--batch 64] [--probe-every 100] [--seed 0] [--lr 1e-3] \
+        [--train lora|lora+text|all] [--tag position | --with-class star]
 
 Writes `history.json` (loss per step, the held-out probe every `--probe-every` steps) and the
 evaluation protocol's `eval/results.jsonl` and `eval/metrics.json`, as draft.py does. The
@@ -34,6 +38,27 @@ from pipeline import layout, world  # noqa: E402
 from pipeline.grpo import lora_parameters  # noqa: E402
 from pipeline.pretrain import flow_step  # noqa: E402
 
+TRAINED = ("lora", "lora+text", "all")
+
+
+def trained_parameters(backend, trained: str) -> list[torch.nn.Parameter]:
+    """The weights `--train` names, made trainable (everything else stays frozen)."""
+    params = lora_parameters(backend.transformer)
+    if trained == "all":
+        params = list(backend.transformer.parameters())
+    if trained in ("lora+text", "all"):
+        params += list(backend.text_encoder.parameters())
+    for param in params:
+        param.requires_grad_(True)
+    return params
+
+
+def chosen(meta: dict, args) -> bool:
+    """Whether a training line is one `--tag` / `--with-class` asks for."""
+    if args.with_class:
+        return any(clause["class"] == args.with_class for clause in meta["include"])
+    return meta["tag"] == args.tag
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -44,17 +69,28 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's AdamW step size")
     parser.add_argument("--tag", default="position", help="the training lines' tag")
+    parser.add_argument(
+        "--with-class", help="train on the lines (any tag) naming this class instead of --tag"
+    )
+    parser.add_argument(
+        "--train",
+        choices=TRAINED,
+        default="lora",
+        help="trained weights: the denoiser's LoRA, plus the text encoder, or every weight but "
+        "the autoencoder's",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     cfg, policy = lora_policy(args.lr, args.seed)
     backend = policy.backend
-    lines = [m for m in layout.load_prompts(cfg, "train") if m["tag"] == args.tag]
+    lines = [m for m in layout.load_prompts(cfg, "train") if chosen(m, args)]
     test = layout.load_prompts(cfg, "test")
     rng = np.random.default_rng(args.seed)
     noise = torch.Generator().manual_seed(args.seed)
-    params = lora_parameters(backend.transformer)
+    params = trained_parameters(backend, args.train)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=cfg.update.weight_decay)
     history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "steps": [], "probes": {}}
     history["probes"]["0"] = probe(backend, cfg, test)
     start = time.perf_counter()
@@ -63,11 +99,12 @@ def main() -> None:
         images = world.render_batch(metas, rng, cfg.world.image_size).float()
         backend.transformer.train()
         loss = flow_step(
-            backend, policy.optimizer, params, metas, images, noise,
+            backend, optimizer, params, metas, images, noise,
             caption_dropout=cfg.base.caption_dropout, t_mean=cfg.base.t_mean,
             t_std=cfg.base.t_std, grad_clip=cfg.update.max_grad_norm,
         )  # fmt: skip
         backend.eval()
+        backend.clear_cache()  # prompt encodings are stale once the text encoder has moved
         history["steps"].append(
             {"step": step, "loss": loss, "seconds": time.perf_counter() - start}
         )
