@@ -444,7 +444,8 @@ def failures_markdown(shares: Mapping[str, Sequence[Mapping[str, float]]]) -> st
     if not means:
         return "No GenEval verdicts yet (`data/eval/<policy>/results.jsonl`)."
     first = next(iter(means.values()))
-    causes = sorted({c for m in means.values() for c in m}, key=lambda c: -first.get(c, 0.0))
+    # by name among equal shares: set order changes between processes, the report must not
+    causes = sorted({c for m in means.values() for c in m}, key=lambda c: (-first.get(c, 0.0), c))
     shown = [c for c in causes if max(m.get(c, 0.0) for m in means.values()) >= MIN_FAILURE_SHARE]
     rows = [(c, [m.get(c, 0.0) for m in means.values()]) for c in shown]
     if rest := [c for c in causes if c not in shown]:

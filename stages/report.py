@@ -206,6 +206,11 @@ def mean_nfe(seeds: Mapping[int, pd.DataFrame], which: list[int]) -> float | Non
     return float(np.mean([seeds[s]["cost/round_nfe"].sum() for s in which]))
 
 
+def read_verdicts(path: Path) -> list[dict]:
+    """The evaluation protocol's per-image verdicts in a `results.jsonl`."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
 def eval_matrix(
     cfg: Config, policies: list[str], test: list[dict], folder: Path = layout.EVAL
 ) -> np.ndarray | None:
@@ -216,7 +221,7 @@ def eval_matrix(
         path = cfg.path(folder / policy / RESULTS)
         if not path.is_file():
             return None
-        verdicts = [json.loads(line) for line in path.read_text().splitlines() if line]
+        verdicts = read_verdicts(path)
         correct: dict[str, list[bool]] = {}
         for v in verdicts:
             correct.setdefault(v["prompt"], []).append(bool(v["correct"]))
@@ -266,11 +271,7 @@ def read_failures(cfg: Config) -> dict[str, list[dict[str, float]]]:
     failures: dict[str, list[dict[str, float]]] = {}
     for group, policies in policy_groups(cfg).items():
         paths = [cfg.path(layout.EVAL / policy / RESULTS) for policy in policies]
-        failures[group] = [
-            rep.failure_shares([json.loads(line) for line in path.read_text().splitlines() if line])
-            for path in paths
-            if path.is_file()
-        ]
+        failures[group] = [rep.failure_shares(read_verdicts(p)) for p in paths if p.is_file()]
     return failures
 
 

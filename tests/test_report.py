@@ -285,6 +285,12 @@ def test_failures_markdown_averages_seeds_and_folds_small_causes():
     assert rep.failures_markdown({"base": []}).startswith("No GenEval verdicts yet")
 
 
+def test_failures_markdown_orders_equal_shares_by_name():
+    names = [f"missing {c}" for c in "zyxwvutsrq"]  # a set of these has no fixed order
+    table = rep.failures_markdown({"base": [dict.fromkeys(names, 0.01)]}).splitlines()
+    assert [row.split(" | ")[0][2:] for row in table[2:-1]] == sorted(names)
+
+
 def test_tag_means_group_prompts_by_tag_and_keep_leading_axes():
     accuracy = np.array([[1.0, 0.0, 0.5, 0.25], [0.0, 0.0, 1.0, 1.0]])
     means = rep.tag_means(accuracy, np.array([3, 0, 3, 0]))

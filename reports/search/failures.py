@@ -12,7 +12,6 @@ prints each folder's largest shares.
 """
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -22,6 +21,7 @@ sys.path.insert(0, str(REPO))
 from pipeline.geneval import TAGS  # noqa: E402
 from pipeline.io import write_json  # noqa: E402
 from pipeline.report import failure_cause, failure_shares  # noqa: E402
+from stages.report import read_verdicts  # noqa: E402
 
 
 def causes(verdicts: list[dict]) -> dict:
@@ -46,8 +46,7 @@ def main() -> None:
     args = parser.parse_args()
     out = {}
     for folder in args.folders:
-        lines = (folder / "results.jsonl").read_text().splitlines()
-        out[str(folder)] = causes([json.loads(line) for line in lines if line])
+        out[str(folder)] = causes(read_verdicts(folder / "results.jsonl"))
         top = list(out[str(folder)]["shares"].items())[:6]
         print(f"{folder}: " + ", ".join(f"{name} {v:.3f}" for name, v in top))
     write_json(args.out, out)

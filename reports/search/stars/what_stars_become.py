@@ -5,11 +5,10 @@ sigma 0.9 px as stars (1.00), so the question is what the generated image holds 
 
     python reports/search/stars/what_stars_become.py OUT.json [--policy data/train/RUN]
 
-Regenerates the evaluation protocol's images of every test prompt naming a star (the same
-seeds as `creditflow evaluate`, so the verdicts equal `data/eval/<policy>/results.jsonl`) and,
-for each image whose first failure is a missing star, sorts the objects the detector found:
-the stars it counted and one object per asked non-star class (the best-scoring) are set aside,
-and what is left is
+Runs the evaluation protocol (`geneval_protocol`: the images and verdicts of `creditflow
+evaluate`, equal to `data/eval/<policy>/results.jsonl`) and, for each image whose first failure
+is a missing star, sorts the objects the detector found: the stars it counted and one object per
+asked non-star class (the best-scoring) are set aside, and what is left is
 - `read as <class>`: a shape the detector names, but not a star (with its IoU and the star
   template's IoU on the same object),
 - `<class> twice`: another copy of an asked class,
@@ -31,8 +30,7 @@ import torch  # noqa: E402
 from pipeline import layout  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.detector import detect  # noqa: E402
-from pipeline.evaluation import generate  # noqa: E402
-from pipeline.geneval import evaluate  # noqa: E402
+from pipeline.evaluation import geneval_protocol  # noqa: E402
 from pipeline.io import write_json  # noqa: E402
 from pipeline.policy import load_backend, restore  # noqa: E402
 from pipeline.report import failure_cause  # noqa: E402
@@ -81,22 +79,14 @@ def main() -> None:
     cfg = load_config(REPO / "params.yaml")
     backend = restore(cfg, args.policy).backend if args.policy else load_backend(cfg)
     test = layout.load_prompts(cfg, "test")
-    per = cfg.evaluate.images_per_prompt
-    chosen = [i for i, m in enumerate(test) if any(c["class"] == "star" for c in m["include"])]
-    metas = [test[i] for i in chosen for _ in range(per)]
-    seeds = [cfg.evaluate.seed * 100_003 + i * per + k for i in chosen for k in range(per)]
     with torch.no_grad():
-        images = generate(
-            backend, [m["prompt"] for m in metas], seeds=seeds,
-            num_steps=cfg.sampling.eval_num_steps, shift=cfg.sampling.shift,
-            guidance=cfg.sampling.guidance, batch_size=cfg.evaluate.batch_size,
-        )  # fmt: skip
+        images, verdicts, _ = geneval_protocol(backend, test, cfg)
+    metas = [meta for meta in test for _ in range(cfg.evaluate.images_per_prompt)]
     kinds: Counter = Counter()
     per_tag: dict[str, Counter] = {}
     margins = []
-    for meta, image in zip(metas, images, strict=True):
-        correct, reason = evaluate(meta, detect(image))
-        if correct or failure_cause(reason) != "missing star":
+    for meta, image, verdict in zip(metas, images, verdicts, strict=True):
+        if verdict["correct"] or failure_cause(verdict["reason"]) != "missing star":
             continue
         left = what_is_left(meta, objects(image))
         kinds[left["kind"]] += 1
@@ -105,7 +95,7 @@ def main() -> None:
             margins.append(left["iou"] - left["star_iou"])
     out = {
         "policy": str(args.policy or "base"),
-        "images": len(metas),
+        "images": sum(any(c["class"] == "star" for c in m["include"]) for m in metas),
         "missing_star": sum(kinds.values()),
         "kinds": dict(kinds.most_common()),
         "per_tag": {tag: dict(c.most_common()) for tag, c in per_tag.items()},
