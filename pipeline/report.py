@@ -456,6 +456,34 @@ def failures_markdown(shares: Mapping[str, Sequence[Mapping[str, float]]]) -> st
     return "\n".join([*lines, f"| all misses (1 − overall) | {totals} |"])
 
 
+def pass_at_k(verdicts: Sequence[Mapping]) -> float:
+    """GenEval overall with a prompt counted right when any of its k images is right (pass@k),
+    from one policy's protocol verdicts ({tag, prompt, correct} each): what the policy would
+    score if it drew every prompt as it does from its luckiest x_T among k, the room that
+    sharpening what it already draws (what RL fine-tuning does) has."""
+    right: dict[tuple[str, str], bool] = {}
+    for v in verdicts:
+        key = (v["tag"], v["prompt"])
+        right[key] = right.get(key, False) or bool(v["correct"])
+    per_tag: dict[str, list[bool]] = {}
+    for (tag, _), is_right in right.items():
+        per_tag.setdefault(tag, []).append(is_right)
+    return float(np.mean([np.mean(values) for values in per_tag.values()]))
+
+
+def reach_markdown(reach: Mapping[str, Sequence[float]]) -> str:
+    """One line: each policy group's `pass_at_k`, mean over its seeds (groups without
+    verdicts left out)."""
+    cells = [f"{group} {np.mean(values):.3f}" for group, values in reach.items() if values]
+    if not cells:
+        return ""
+    return (
+        "Right in at least one of a prompt's images (pass@k over the protocol's k images per"
+        " prompt, GenEval-weighted; the score of drawing every prompt as from its luckiest"
+        " x_T, the room sharpening has): " + " · ".join(cells) + "."
+    )
+
+
 def _mean_over_seeds(seeds: Sequence[Mapping[str, float]]) -> dict[str, float]:
     causes = {c for shares in seeds for c in shares}
     return {c: float(np.mean([shares.get(c, 0.0) for shares in seeds])) for c in causes}

@@ -69,7 +69,7 @@ def report(cfg: Config) -> dict[str, float]:
             header=header(cfg),
             verdict_lines=rep.verdict(geneval, bench, profiles, runs, probes, experiment),
             geneval=rep.geneval_markdown(geneval),
-            failures=rep.failures_markdown(read_failures(cfg)),
+            failures=misses_markdown(cfg),
             samples=samples,
             cost=rep.cost_markdown(bench),
             credit=rep.credit_markdown(runs, profiles),
@@ -265,14 +265,22 @@ def read_evals(cfg: Config, missing: list[str]) -> tuple[dict[str, list[dict]], 
     return evals, samples
 
 
-def read_failures(cfg: Config) -> dict[str, list[dict[str, float]]]:
-    """Per group, `failure_shares` of each policy whose protocol verdicts are in `data/eval`
-    (a policy without them is already listed by `read_evals`)."""
-    failures: dict[str, list[dict[str, float]]] = {}
+def read_group_verdicts(cfg: Config) -> dict[str, list[list[dict]]]:
+    """Per policy group, the protocol verdicts of each policy that has them in `data/eval` (a
+    policy without them is already listed by `read_evals`)."""
+    verdicts: dict[str, list[list[dict]]] = {}
     for group, policies in policy_groups(cfg).items():
         paths = [cfg.path(layout.EVAL / policy / RESULTS) for policy in policies]
-        failures[group] = [rep.failure_shares(read_verdicts(p)) for p in paths if p.is_file()]
-    return failures
+        verdicts[group] = [read_verdicts(p) for p in paths if p.is_file()]
+    return verdicts
+
+
+def misses_markdown(cfg: Config) -> str:
+    """ "Where the misses go": `failure_shares` per group, then each group's `pass_at_k`."""
+    verdicts = read_group_verdicts(cfg)
+    shares = {group: [rep.failure_shares(v) for v in seeds] for group, seeds in verdicts.items()}
+    reach = {group: [rep.pass_at_k(v) for v in seeds] for group, seeds in verdicts.items()}
+    return "\n\n".join(filter(None, [rep.failures_markdown(shares), rep.reach_markdown(reach)]))
 
 
 def read_method_advantages(cfg: Config, missing: list[str]) -> dict[str, pd.DataFrame]:

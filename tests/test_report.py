@@ -196,6 +196,8 @@ def test_report_stage_writes_readme_and_figures(project):
     # (stepwise, tp_grpo) get no column
     assert "| cause | base | flow_grpo |\n|---|---|---|\n| missing star | 0.750 | 0.250 |" in text
     assert "| all misses (1 − overall) | **0.750** | **0.250** |" in text
+    # both drew the one prompt right at least once: pass@4 1 for each group with verdicts
+    assert "the room sharpening has): base 1.000 · flow_grpo 1.000." in text
     # The stage's MLflow child run holds the README, the figures and the headline numbers.
     client = mlflow.tracking.MlflowClient(tracking_uri(project))
     experiment = client.get_experiment_by_name(EXPERIMENT).experiment_id
@@ -289,6 +291,25 @@ def test_failures_markdown_orders_equal_shares_by_name():
     names = [f"missing {c}" for c in "zyxwvutsrq"]  # a set of these has no fixed order
     table = rep.failures_markdown({"base": [dict.fromkeys(names, 0.01)]}).splitlines()
     assert [row.split(" | ")[0][2:] for row in table[2:-1]] == sorted(names)
+
+
+def test_pass_at_k_counts_a_prompt_right_when_any_image_is():
+    def verdict(tag, prompt, correct):
+        return {"tag": tag, "prompt": prompt, "correct": correct, "reason": ""}
+
+    # tag a: prompt p right in 1 of 2 images, q in none; tag b: r right in both
+    verdicts = [verdict("a", "p", False), verdict("a", "p", True), verdict("a", "q", False),
+                verdict("a", "q", False), verdict("b", "r", True),
+                verdict("b", "r", True)]  # fmt: skip
+    assert rep.pass_at_k(verdicts) == pytest.approx((1 / 2 + 1) / 2)
+    # the same prompt text under two tags is two prompts
+    assert rep.pass_at_k([verdict("a", "p", True), verdict("b", "p", False)]) == 0.5
+
+
+def test_reach_markdown_averages_seeds_and_skips_groups_without_verdicts():
+    line = rep.reach_markdown({"base": [0.9], "flow_grpo": [0.8, 1.0], "tp_grpo": []})
+    assert line.endswith("the room sharpening has): base 0.900 · flow_grpo 0.900.")
+    assert rep.reach_markdown({"base": []}) == ""
 
 
 def test_tag_means_group_prompts_by_tag_and_keep_leading_axes():
