@@ -57,6 +57,20 @@ def sample_with_grad(backend, prompts, x_T, sigmas, guidance: float, truncate: i
     return x
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every scratch update shares: --out, --lr, --seed, --threads."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+
+
+def start_run(args: argparse.Namespace):
+    """Torch threads set, then `lora_policy(args.lr, args.seed)`. Returns (cfg, policy)."""
+    torch.set_num_threads(args.threads)
+    return lora_policy(args.lr, args.seed)
+
+
 def lora_policy(lr: float, seed: int):
     """The default config at this lr and seed, and a fresh policy whose LoRA on the denoiser is
     the only trained part (every other module frozen). Returns (cfg, policy)."""
@@ -98,18 +112,13 @@ def probe(backend, cfg, test) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    add_run_arguments(parser)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=32, help="prompts (one image each) per step")
-    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--truncate", type=int, default=0, help="recorded last steps (0: all)")
     parser.add_argument("--probe-every", type=int, default=25)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    cfg, policy = lora_policy(args.lr, args.seed)
+    cfg, policy = start_run(args)
     backend = policy.backend
     clip = load_shapesclip(REPO / SHAPESCLIP_DIR).requires_grad_(False)
     train = layout.load_prompts(cfg, "train")
