@@ -1,0 +1,65 @@
+"""Session 35 scratch measurement (reports/search.md, session 35 §5): how much a policy trained
+on a small pool of test prompts gains on those prompts, and on the test prompts it never drew,
+from the evaluation protocol's verdicts (its x_T differ from every training round's).
+
+    python reports/search/oracle/pool_gain.py OUT.json --pool POOL.jsonl --base data/eval/base \
+        --policy DIR/eval/flow_grpo-s0 [...]
+
+POOL.jsonl holds the trained lines (a subset of the test split). For the pool and for the rest
+of the test split: GenEval overall (the mean of the tags' means) of the base and of the
+policies, and the gain with the report's 95 % bootstrap CI over seeds and prompts
+(`pipeline.report.difference`).
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE.parent))
+import numpy as np  # noqa: E402
+from compare import accuracy  # noqa: E402
+
+from pipeline import layout  # noqa: E402
+from pipeline import report as rep  # noqa: E402
+from pipeline.config import load_config  # noqa: E402
+from pipeline.geneval import TAGS  # noqa: E402
+from pipeline.io import write_json  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--pool", type=Path, required=True)
+    parser.add_argument("--base", type=Path, required=True)
+    parser.add_argument("--policy", type=Path, nargs="+", required=True)
+    args = parser.parse_args()
+    cfg = load_config(REPO / "params.yaml")
+    test = layout.load_prompts(cfg, "test")
+    pool = {(m["tag"], m["prompt"]) for m in map(json.loads, args.pool.read_text().splitlines())}
+    trained = np.array([(m["tag"], m["prompt"]) in pool for m in test])
+    tags = np.array([TAGS.index(m["tag"]) for m in test])
+    base = accuracy(cfg, [args.base], test)
+    policy = accuracy(cfg, args.policy, test)
+    out: dict = {"pool": str(args.pool), "policies": [str(p) for p in args.policy]}
+    for name, keep in (("trained prompts", trained), ("other test prompts", ~trained)):
+        gain = rep.difference(policy[:, keep], base[:, keep], tags[keep])
+        out[name] = {
+            "prompts": int(keep.sum()),
+            "base": float(rep.geneval_overall(base[0, keep], tags[keep])),
+            "policy_per_seed": rep.geneval_overall(policy[:, keep], tags[keep]).round(4).tolist(),
+            "gain": gain,
+            "gain_per_tag": rep.tag_gains(policy[:, keep], base[:, keep], tags[keep]),
+        }
+        print(
+            f"{name} ({keep.sum()}): base {out[name]['base']:.3f}, policy "
+            f"{out[name]['policy_per_seed']}, {rep.claim_text('gain', gain)}"
+        )
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
