@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from pipeline.bench import BASELINE, CHALLENGERS, PHASES, TARGETS, Runs, seed_matrix
-from pipeline.geneval import RELATIONS, TAGS
+from pipeline.geneval import RELATIONS, TAGS, summarize
 from pipeline.io import atomic_path
 
 COLORS = {"base": "#7f7f7f", "flow_grpo": "#1f77b4", "stepwise": "#ff7f0e", "tp_grpo": "#2ca02c"}
@@ -465,10 +465,7 @@ def pass_at_k(verdicts: Sequence[Mapping]) -> float:
     for v in verdicts:
         key = (v["tag"], v["prompt"])
         right[key] = right.get(key, False) or bool(v["correct"])
-    per_tag: dict[str, list[bool]] = {}
-    for (tag, _), is_right in right.items():
-        per_tag.setdefault(tag, []).append(is_right)
-    return float(np.mean([np.mean(values) for values in per_tag.values()]))
+    return summarize([{"tag": tag, "correct": r} for (tag, _), r in right.items()])["overall"]
 
 
 def reach_markdown(reach: Mapping[str, Sequence[float]]) -> str:

@@ -297,13 +297,13 @@ def test_pass_at_k_counts_a_prompt_right_when_any_image_is():
     def verdict(tag, prompt, correct):
         return {"tag": tag, "prompt": prompt, "correct": correct, "reason": ""}
 
+    a, b = "counting", "position"
     # tag a: prompt p right in 1 of 2 images, q in none; tag b: r right in both
-    verdicts = [verdict("a", "p", False), verdict("a", "p", True), verdict("a", "q", False),
-                verdict("a", "q", False), verdict("b", "r", True),
-                verdict("b", "r", True)]  # fmt: skip
+    verdicts = [verdict(a, "p", False), verdict(a, "p", True), verdict(a, "q", False),
+                verdict(a, "q", False), verdict(b, "r", True), verdict(b, "r", True)]  # fmt: skip
     assert rep.pass_at_k(verdicts) == pytest.approx((1 / 2 + 1) / 2)
     # the same prompt text under two tags is two prompts
-    assert rep.pass_at_k([verdict("a", "p", True), verdict("b", "p", False)]) == 0.5
+    assert rep.pass_at_k([verdict(a, "p", True), verdict(b, "p", False)]) == 0.5
 
 
 def test_reach_markdown_averages_seeds_and_skips_groups_without_verdicts():

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent / "reward"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from draft import lora_policy, probe, record_step, write_evaluation  # noqa: E402
+from draft import add_run_arguments, probe, record_step, start_run, write_evaluation  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pipeline import layout, world  # noqa: E402
@@ -62,12 +62,10 @@ def chosen(meta: dict, args) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    add_run_arguments(parser)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--probe-every", type=int, default=100)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--lr", type=float, default=1e-3, help="the LoRA's AdamW step size")
     parser.add_argument("--tag", default="position", help="the training lines' tag")
     parser.add_argument(
         "--with-class", help="train on the lines (any tag) naming this class instead of --tag"
@@ -79,11 +77,8 @@ def main() -> None:
         help="trained weights: the denoiser's LoRA, plus the text encoder, or every weight but "
         "the autoencoder's",
     )
-    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-
-    cfg, policy = lora_policy(args.lr, args.seed)
+    cfg, policy = start_run(args)
     backend = policy.backend
     lines = [m for m in layout.load_prompts(cfg, "train") if chosen(m, args)]
     test = layout.load_prompts(cfg, "test")
