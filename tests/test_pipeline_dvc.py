@@ -188,6 +188,24 @@ def test_dvc_metrics_show_lists_per_tag_scores(reproduced):
     assert len(json.dumps(headline)) < 600  # the bench's details stay out of the metrics
 
 
+def test_plain_dvc_push_stores_the_verdicts_but_not_the_training_rounds(reproduced, tmp_path):
+    """`dvc push` sends every output but the runs' cached rounds (push: false) to a remote: the
+    evaluation verdicts, which the report and comparisons read, survive a change of machine."""
+    root, env, _ = reproduced
+    remote = tmp_path / "remote"
+    run(["dvc", "remote", "add", "scratch", str(remote)], root, env)
+    run(["dvc", "push", "-r", "scratch"], root, env)
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+
+    def pushed(stage: str, path: str) -> bool:
+        md5 = next(out["md5"] for out in lock[stage]["outs"] if out["path"] == path)
+        return (remote / "files" / "md5" / md5[:2] / md5[2:]).is_file()
+
+    assert pushed("evaluate@flow_grpo-0", "data/eval/flow_grpo-s0")
+    assert pushed("evaluate_base", "data/eval/base")
+    assert not pushed("train@flow_grpo-0", "data/train/flow_grpo-s0")
+
+
 def test_dvc_plots_show_renders_every_training_curve(reproduced):
     """Per run (rounds.json, probe.json) and the all-runs overlays; the overlays name the
     default seeds 0 and 1, and the smoke params train seed 0 only."""

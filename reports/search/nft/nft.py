@@ -14,6 +14,10 @@ base, LoRA, prompts, guided sampler and `geneval` reward:
   negative policies v+ = (1 - b) v_old + b v_theta and v- = (1 + b) v_old - b v_theta
   (b = `--beta`; v_old: the round's sampling policy, fixed during its update). A group whose
   rewards agree (p = 1/2) only pulls v_theta back to v_old.
+- session 36, `--old-decay` eta: DiffusionNFT's soft update of the sampling policy. Rounds
+  sample with, and regress against, LoRA weights theta_old that follow the trained ones slowly,
+  theta_old <- eta theta_old + (1 - eta) theta after each round (eta = 0, the default: the
+  current policy, as in session 35). The probe and the evaluation judge theta.
 
 No likelihood ratios and no SDE: the signal is which whole images were better, regressed from
 fresh noise, so it does not pass through the D-dimensional SDE noise that limits GRPO's
@@ -32,6 +36,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -66,6 +71,25 @@ def nft_loss(v_theta, v_old, target, p, beta: float) -> torch.Tensor:
     return (p * per_pair_pos + (1 - p) * per_pair_neg).mean()
 
 
+@contextmanager
+def weights_swapped(params: list[torch.nn.Parameter], values: list[torch.Tensor]):
+    """Within the block `params` hold `values`; their own values are restored after it."""
+    saved = [param.detach().clone() for param in params]
+    for param, value in zip(params, values, strict=True):
+        param.data.copy_(value)
+    try:
+        yield
+    finally:
+        for param, value in zip(params, saved, strict=True):
+            param.data.copy_(value)
+
+
+def soft_update(old: list[torch.Tensor], params: list[torch.nn.Parameter], eta: float) -> None:
+    """theta_old <- eta theta_old + (1 - eta) theta, in place."""
+    for value, param in zip(old, params, strict=True):
+        value.mul_(eta).add_(param.detach(), alpha=1 - eta)
+
+
 def sample_round(backend, prompts, x_T, sigmas, guidance: float) -> torch.Tensor:
     """Guided ODE from x_T (B, C, H, W) -> final latents (B, C, H, W), no gradient."""
     embeds = backend.encode_prompts(prompts)
@@ -91,6 +115,12 @@ def main() -> None:
         "--train-on", choices=["train", "test"], default="train",
         help="the split whose lines the rounds draw (test: the oracle diagnostic, session 35)",
     )  # fmt: skip
+    parser.add_argument(
+        "--old-decay",
+        type=float,
+        default=0.0,
+        help="eta of the sampling policy's soft update (0: sample with the current policy)",
+    )
     parser.add_argument("--nfe-budget", type=int, default=0, help="0: train.nfe_budget")
     args = parser.parse_args()
     cfg, policy = start_run(args)
@@ -108,13 +138,16 @@ def main() -> None:
     noise = torch.Generator().manual_seed(args.seed)
     history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "rounds": [], "probes": {}}
     history["probes"]["0"] = probe(backend, cfg, test)
+    params = lora_parameters(backend.transformer)
+    old_weights = [param.detach().clone() for param in params]
     start = time.perf_counter()
     for round_index in tqdm(range(1, rounds + 1), desc="nft", unit="round"):
         lines = [train[i] for i in rng.choice(len(train), size=args.prompts, replace=False)]
         rows = [line for line in lines for _ in range(args.group)]
         prompts = [row["prompt"] for row in rows]
         x_T = torch.randn(batch, *backend.latent_shape, generator=noise)
-        x0 = sample_round(backend, prompts, x_T, sigmas, guidance)
+        with weights_swapped(params, old_weights):
+            x0 = sample_round(backend, prompts, x_T, sigmas, guidance)
         with torch.no_grad():
             rewards = reward_fn(backend.decode(x0), rows)["mix"]
         p = optimality(rewards, args.group, args.adv_scale)
@@ -125,7 +158,7 @@ def main() -> None:
         x_t = (1 - t)[:, None, None, None] * x0[index] + t[:, None, None, None] * eps
         target = eps - x0[index]
         embeds = backend.encode_prompts([prompts[i] for i in index.tolist()])
-        with torch.no_grad():
+        with torch.no_grad(), weights_swapped(params, old_weights):
             v_old = torch.cat(
                 [
                     backend.velocity(x_t[s], t[s], embeds[s], guidance=guidance)
@@ -138,11 +171,10 @@ def main() -> None:
             loss = nft_loss(v_theta, v_old[s], target[s], p[index[s]], args.beta)
             policy.optimizer.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(
-                lora_parameters(backend.transformer), cfg.update.max_grad_norm
-            )
+            torch.nn.utils.clip_grad_norm_(params, cfg.update.max_grad_norm)
             policy.optimizer.step()
             losses.append(float(loss.detach()))
+        soft_update(old_weights, params, args.old_decay)
         history["rounds"].append(
             {
                 "round": round_index,

@@ -31,26 +31,19 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent / "reward"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from draft import add_run_arguments, probe, record_step, start_run, write_evaluation  # noqa: E402
+from draft import (  # noqa: E402
+    add_run_arguments,
+    add_trained_argument,
+    probe,
+    record_step,
+    start_run,
+    trained_optimizer,
+    write_evaluation,
+)
 from tqdm import tqdm  # noqa: E402
 
 from pipeline import layout, world  # noqa: E402
-from pipeline.grpo import lora_parameters  # noqa: E402
 from pipeline.pretrain import flow_step  # noqa: E402
-
-TRAINED = ("lora", "lora+text", "all")
-
-
-def trained_parameters(backend, trained: str) -> list[torch.nn.Parameter]:
-    """The weights `--train` names, made trainable (everything else stays frozen)."""
-    params = lora_parameters(backend.transformer)
-    if trained == "all":
-        params = list(backend.transformer.parameters())
-    if trained in ("lora+text", "all"):
-        params += list(backend.text_encoder.parameters())
-    for param in params:
-        param.requires_grad_(True)
-    return params
 
 
 def chosen(meta: dict, args) -> bool:
@@ -63,19 +56,13 @@ def chosen(meta: dict, args) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser)
+    add_trained_argument(parser)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--probe-every", type=int, default=100)
     parser.add_argument("--tag", default="position", help="the training lines' tag")
     parser.add_argument(
         "--with-class", help="train on the lines (any tag) naming this class instead of --tag"
-    )
-    parser.add_argument(
-        "--train",
-        choices=TRAINED,
-        default="lora",
-        help="trained weights: the denoiser's LoRA, plus the text encoder, or every weight but "
-        "the autoencoder's",
     )
     args = parser.parse_args()
     cfg, policy = start_run(args)
@@ -84,8 +71,7 @@ def main() -> None:
     test = layout.load_prompts(cfg, "test")
     rng = np.random.default_rng(args.seed)
     noise = torch.Generator().manual_seed(args.seed)
-    params = trained_parameters(backend, args.train)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=cfg.update.weight_decay)
+    params, optimizer = trained_optimizer(policy, cfg, args.train)
     history: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "steps": [], "probes": {}}
     history["probes"]["0"] = probe(backend, cfg, test)
     start = time.perf_counter()

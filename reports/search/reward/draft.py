@@ -57,29 +57,72 @@ def sample_with_grad(backend, prompts, x_T, sigmas, guidance: float, truncate: i
     return x
 
 
+TRAINED = ("lora", "lora+text", "all")
+
+
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments every scratch update shares: --out, --lr, --seed, --threads."""
+    """The arguments every scratch update shares: --out, --lr, --seed, --threads, --rank."""
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--rank", type=int, default=8, help="LoRA rank (alpha = 2 x rank, the default's scale)"
+    )
+
+
+def add_trained_argument(parser: argparse.ArgumentParser) -> None:
+    """--train: which weights the update may change (`trained_parameters`)."""
+    parser.add_argument(
+        "--train",
+        choices=TRAINED,
+        default="lora",
+        help="trained weights: the denoiser's LoRA, plus the text encoder, or every weight but "
+        "the autoencoder's",
+    )
 
 
 def start_run(args: argparse.Namespace):
-    """Torch threads set, then `lora_policy(args.lr, args.seed)`. Returns (cfg, policy)."""
+    """Torch threads set, then `lora_policy(args.lr, args.seed, args.rank)`. Returns (cfg,
+    policy)."""
     torch.set_num_threads(args.threads)
-    return lora_policy(args.lr, args.seed)
+    return lora_policy(args.lr, args.seed, args.rank)
 
 
-def lora_policy(lr: float, seed: int):
-    """The default config at this lr and seed, and a fresh policy whose LoRA on the denoiser is
-    the only trained part (every other module frozen). Returns (cfg, policy)."""
-    cfg = load_config(REPO / "params.yaml", [f"update.lr={lr}", f"train.seed={seed}"])
+def lora_policy(lr: float, seed: int, rank: int = 8):
+    """The default config at this lr, seed and LoRA rank (alpha 2 x rank), and a fresh policy
+    whose LoRA on the denoiser is the only trained part (every other module frozen). Returns
+    (cfg, policy)."""
+    overrides = [f"update.lr={lr}", f"train.seed={seed}"]
+    overrides += [f"update.lora_rank={rank}", f"update.lora_alpha={2.0 * rank}"]
+    cfg = load_config(REPO / "params.yaml", overrides)
     policy = Policy.create(cfg)
     for module in policy.backend.modules.values():
         if module is not policy.backend.transformer:
             module.requires_grad_(False)
     return cfg, policy
+
+
+def trained_parameters(backend, trained: str) -> list[torch.nn.Parameter]:
+    """The weights `--train` names, made trainable (everything else stays frozen)."""
+    params = lora_parameters(backend.transformer)
+    if trained == "all":
+        params = list(backend.transformer.parameters())
+    if trained in ("lora+text", "all"):
+        params += list(backend.text_encoder.parameters())
+    for param in params:
+        param.requires_grad_(True)
+    return params
+
+
+def trained_optimizer(policy, cfg, trained: str):
+    """(params, optimizer): the policy's own LoRA optimizer for `--train lora`, else a fresh
+    AdamW (same lr and weight decay) over `trained_parameters`."""
+    params = trained_parameters(policy.backend, trained)
+    if trained == "lora":
+        return params, policy.optimizer
+    up = cfg.update
+    return params, torch.optim.AdamW(params, lr=up.lr, weight_decay=up.weight_decay)
 
 
 def write_evaluation(backend, cfg, test, out: Path) -> None:
@@ -113,6 +156,7 @@ def probe(backend, cfg, test) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_run_arguments(parser)
+    add_trained_argument(parser)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=32, help="prompts (one image each) per step")
     parser.add_argument("--truncate", type=int, default=0, help="recorded last steps (0: all)")
@@ -120,6 +164,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg, policy = start_run(args)
     backend = policy.backend
+    params, optimizer = trained_optimizer(policy, cfg, args.train)
     clip = load_shapesclip(REPO / SHAPESCLIP_DIR).requires_grad_(False)
     train = layout.load_prompts(cfg, "train")
     test = layout.load_prompts(cfg, "test")
@@ -140,12 +185,12 @@ def main() -> None:
             sample_with_grad(backend, prompts, x_T, sigmas, cfg.sampling.guidance, args.truncate)
         )
         reward = clip.score(images, prompts)
-        policy.optimizer.zero_grad()
+        optimizer.zero_grad()
         (-reward.mean()).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            lora_parameters(backend.transformer), cfg.update.max_grad_norm
-        )
-        policy.optimizer.step()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.update.max_grad_norm)
+        optimizer.step()
+        if args.train != "lora":
+            backend.clear_cache()  # prompt encodings are stale once the text encoder has moved
         verdicts = judge(images.detach(), rows)
         history["steps"].append(
             {
