@@ -7,7 +7,9 @@ and step AdamW on -mean(score), the gradient flowing back through the last `--tr
 sampler steps (0: all of them). No likelihood ratios, no groups: the exact reward gradient.
 If this moves held-out GenEval (the rule-based protocol: a different judge from the trained
 reward) where GRPO does not, GRPO's estimator is what limits learning here; if it does not,
-the model or the reward is.
+the model or the reward is. Session 36: `--rank` (alpha = 2 x rank) and `--train` (the LoRA,
+plus the text encoder, or every weight) widen what the update may change, to tell the adapter's
+capacity from the reward's agreement with the judge.
 
     python reports/search/reward/draft.py --out reports/search/reward/draft/NAME [options]
 
