@@ -33,7 +33,6 @@ round: reward, training accuracy, loss, NFEs, seconds; the held-out probe every
 """
 
 import argparse
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -45,12 +44,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parent / "reward"))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from draft import add_run_arguments, probe, start_run, write_evaluation  # noqa: E402
+from draft import add_run_arguments, probe, record_step, start_run, write_evaluation  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from pipeline import layout, sampling  # noqa: E402
 from pipeline.grpo import lora_parameters  # noqa: E402
-from pipeline.io import write_text  # noqa: E402
 from pipeline.rewards import RewardMix  # noqa: E402
 
 
@@ -187,12 +185,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - start,
             }
         )
-        if round_index % args.probe_every == 0 or round_index == rounds:
-            history["probes"][str(round_index)] = probe(backend, cfg, test)
-            tqdm.write(
-                f"round {round_index}: probe {history['probes'][str(round_index)]['overall']:.3f}"
-            )
-        write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
+        record_step(history, round_index, rounds, args, backend, cfg, test, unit="round")
 
     write_evaluation(backend, cfg, test, args.out)
 

@@ -89,7 +89,7 @@ def main() -> None:
         history["steps"].append(
             {"step": step, "loss": loss, "seconds": time.perf_counter() - start}
         )
-        record_step(history, step, args, backend, cfg, test)
+        record_step(history, step, args.steps, args, backend, cfg, test)
 
     write_evaluation(backend, cfg, test, args.out)
 

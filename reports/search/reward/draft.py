@@ -138,12 +138,15 @@ def write_evaluation(backend, cfg, test, out: Path) -> None:
     print(f"evaluation protocol: {summary['overall']:.3f} {summary['per_tag']}")
 
 
-def record_step(history: dict, step: int, args, backend, cfg, test) -> None:
-    """After an optimizer step: the held-out probe when due (every `--probe-every` steps and
-    after the last), then `history.json` rewritten, so that a stopped run keeps its curve."""
-    if step % args.probe_every == 0 or step == args.steps:
+def record_step(
+    history: dict, step: int, last: int, args, backend, cfg, test, unit: str = "step"
+) -> None:
+    """After an optimizer step (or round, `unit`): the held-out probe when due (every
+    `--probe-every` and after `last`), then `history.json` rewritten, so that a stopped run keeps
+    its curve."""
+    if step % args.probe_every == 0 or step == last:
         history["probes"][str(step)] = probe(backend, cfg, test)
-        tqdm.write(f"step {step}: probe {history['probes'][str(step)]['overall']:.3f}")
+        tqdm.write(f"{unit} {step}: probe {history['probes'][str(step)]['overall']:.3f}")
     write_text(args.out / "history.json", json.dumps(history, indent=1) + "\n")
 
 
@@ -204,7 +207,7 @@ def main() -> None:
                 "seconds": time.perf_counter() - start,
             }
         )
-        record_step(history, step, args, backend, cfg, test)
+        record_step(history, step, args.steps, args, backend, cfg, test)
 
     write_evaluation(backend, cfg, test, args.out)
 
