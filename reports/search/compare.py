@@ -9,9 +9,9 @@ the evaluation protocol's verdicts, with the report's bootstrap CI over seeds an
 
 Each path is a folder holding `results.jsonl` (as `creditflow evaluate` and draft.py write
 them). Prints and writes: GenEval per seed of each side, the candidate's gain over the base and
-its difference to the reference (diff, ci95, separated), both per tag, and per policy the
-two_object and position images that hold both named classes and that are judged right
-(session 21's `composition`).
+its difference to the reference (diff, ci95, separated), both per tag (the difference to the
+reference per tag also with its CI, session 38), and per policy the two_object and position
+images that hold both named classes and that are judged right (session 21's `composition`).
 """
 
 import argparse
@@ -42,6 +42,15 @@ def accuracy(cfg, folders: list[Path], test: list[dict]) -> np.ndarray:
     return np.concatenate(rows)
 
 
+def tag_differences(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict[str, dict]:
+    """A minus B per tag, each with the report's bootstrap CI restricted to that tag's prompts
+    (GenEval overall over one tag's prompts is that tag's accuracy). a: (S_a, P), b: (S_b, P)."""
+    return {
+        name: rep.difference(a[:, tags == tag_id], b[:, tags == tag_id], tags[tags == tag_id])
+        for tag_id, name in enumerate(TAGS)
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -69,6 +78,7 @@ def main() -> None:
             "gain_per_tag": rep.tag_gains(candidate, base, tags),
             "minus_reference": rep.difference(candidate, reference, tags),
             "minus_reference_per_tag": rep.tag_gains(candidate, reference, tags),
+            "minus_reference_per_tag_ci": tag_differences(candidate, reference, tags),
         },
         "composition": {
             str(f): composition(f / "results.jsonl")
