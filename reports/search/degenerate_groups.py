@@ -3,26 +3,22 @@ groups whose G final rewards are all equal (zero advantage, no signal), from its
 
     python reports/search/degenerate_groups.py data/train/flow_grpo-s0 [RUN ...] [--group-size 8]
 
-Reads `<run>/rollouts/scores/round=*/part-*.parquet` (kept for every round), the final mixed
-reward of each trajectory; trajectories of one group are consecutive, as the rollout writes them.
+Reads the run's score table (`pipeline.trajectories.read_scores`, kept for every round), the
+final mixed reward of each trajectory; trajectories of one group are consecutive, as the rollout
+writes them.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
-import pandas as pd
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from pipeline.trajectories import read_scores  # noqa: E402
 
 
 def degenerate_share(run: Path, group_size: int) -> tuple[float, float, int]:
     """(share of groups with one reward for all members, mean final reward, groups counted)."""
-    parts = []
-    for path in sorted(run.glob("rollouts/scores/round=*/part-*.parquet")):
-        table = pd.read_parquet(path)
-        table["round"] = int(path.parent.name.split("=")[1])
-        parts.append(table)
-    if not parts:
-        raise SystemExit(f"error: no score tables under {run / 'rollouts/scores'}")
-    scores = pd.concat(parts)
+    scores = read_scores(run / "rollouts")
     final = scores[(scores.estimator == "final") & (scores.reward == "mix")].copy()
     final["group"] = final.trajectory // group_size
     spread = final.groupby(["round", "group"]).value.agg(lambda v: v.max() - v.min())
