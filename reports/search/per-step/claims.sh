@@ -1,8 +1,8 @@
 #!/bin/bash
-# claims.sh : collect stepwise seeds 6-11 (wtS) and per-step stepwise seeds 3-10 (wtU, wtV), then the
+# claims.sh : collect (from this session's copies under /work; skipped where absent) stepwise seeds 6-11 (wtS) and per-step stepwise seeds 3-10 (wtU, wtV), then the
 # two step-wise claims at more seeds: stepwise vs flow_grpo (12 seeds), joint vs per-step (as many as finished).
 set -e
-cd /work/main
+cd "$(dirname "$0")/../../.."  # the project root
 source .venv/bin/activate
 export OMP_NUM_THREADS=1
 M=reports/search/more-seeds; P=reports/search/per-step
@@ -40,7 +40,16 @@ python reports/search/compare.py $M/stepwise-vs-flow_grpo-12-seeds.json --base d
 show $M/stepwise-vs-flow_grpo-12-seeds.json "stepwise - flow_grpo"
 python reports/search/compare.py $P/joint-vs-per-step-$NPS-seeds.json --base data/eval/base --reference $PSP --candidate $SWP > /dev/null
 show $P/joint-vs-per-step-$NPS-seeds.json "joint - per_step"
-echo "probe means (stepwise 12, flow_grpo 12, per_step):"
-python /work/lanes/probe_mean.py reports/train/stepwise-s{0,1,2}/probe.json $M/stepwise-s{3,4,5,6,7,8,9,10,11}/train/probe.json
-python /work/lanes/probe_mean.py reports/train/flow_grpo-s{0,1,2}/probe.json $M/flow_grpo-s{3,4,5,6,7,8,9,10,11}/train/probe.json
-python /work/lanes/probe_mean.py reports/ablations/per_step/train/stepwise-s{0,1,2}/probe.json $(ls $P/stepwise-s*/train/probe.json)
+echo "probe means at each reading (stepwise 12, flow_grpo 12, per-step):"
+probe_mean() { python - "$@" <<'PY'
+import json, sys
+runs = [json.load(open(p)) for p in sys.argv[1:]]
+for k in sorted({r["rounds"] for run in runs for r in run}):
+    vals = [r["probe/geneval"] for run in runs for r in run if r["rounds"] == k]
+    print(f"{k}:{sum(vals) / len(vals):.3f}(n={len(vals)})", end=" ")
+print()
+PY
+}
+probe_mean reports/train/stepwise-s{0,1,2}/probe.json $M/stepwise-s{3,4,5,6,7,8,9,10,11}/train/probe.json
+probe_mean reports/train/flow_grpo-s{0,1,2}/probe.json $M/flow_grpo-s{3,4,5,6,7,8,9,10,11}/train/probe.json
+probe_mean reports/ablations/per_step/train/stepwise-s{0,1,2}/probe.json $(ls $P/stepwise-s*/train/probe.json)
