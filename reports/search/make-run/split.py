@@ -21,16 +21,21 @@ EVALUATE_SECONDS = {
 
 
 def stage_minutes(lines: list[str]) -> dict[str, float]:
-    """Minutes from each stage's start line to the next stamped line (setup: from the start)."""
-    stamps = []
+    """Minutes of each stage that finished: from its start line to the next stage's, or to the
+    END line of a run that succeeded (setup: from the start to the first stage). A stage cut
+    off by a stop (a stamped KILLED line, or END with a non-zero rc) is left out."""
+    marks = []  # (stage name, or None where the run stopped; seconds since the start)
     for line in lines:
-        match = re.match(r"\S+ \+(\d+)s (.*)", line)
-        if match:
-            name = re.match(r"Running stage '([^']+)'", match.group(2))
-            stamps.append((name.group(1) if name else None, int(match.group(1))))
-    minutes = {"setup (venv, pip install)": stamps[0][1] / 60}
-    for (name, start), (_, end) in zip(stamps, stamps[1:], strict=False):
-        if name:
+        stamped = re.match(r"\S+ \+(\d+)s (.*)", line)
+        end = re.match(r"END rc=(\d+) .* elapsed=(\d+)s", line)
+        if stamped:
+            stage = re.match(r"Running stage '([^']+)'", stamped.group(2))
+            marks.append((stage.group(1) if stage else None, int(stamped.group(1))))
+        elif end:
+            marks.append(("END" if end.group(1) == "0" else None, int(end.group(2))))
+    minutes = {"setup (venv, pip install)": marks[0][1] / 60}
+    for (name, start), (after, end) in zip(marks, marks[1:], strict=False):
+        if name and name != "END" and after is not None:
             minutes[name] = (end - start) / 60
     return minutes
 
@@ -38,7 +43,6 @@ def stage_minutes(lines: list[str]) -> dict[str, float]:
 def main() -> None:
     lines = (HERE / "make_run_stages.log").read_text().splitlines()
     finished = stage_minutes(lines)
-    finished.pop("train@stepwise-1")  # stopped 17 s after it began
     out = {
         "machine": "Intel Xeon (AVX-512, AMX), 2 cores; torch 2.13.0+cpu, 2 threads",
         "finished_stage_minutes": {k: round(v, 1) for k, v in finished.items()},
