@@ -8,7 +8,8 @@ from the evaluation protocol's verdicts (its x_T differ from every training roun
 POOL.jsonl holds the trained lines (a subset of the test split). For the pool and for the rest
 of the test split: GenEval overall (the mean of the tags' means) of the base and of the
 policies, and the gain with the report's 95 % bootstrap CI over seeds and prompts
-(`pipeline.report.difference`).
+(`pipeline.report.difference`). With `--reference DIR/eval/<run> [...]` (session 42: the credit
+rules on the pool), also the policies minus those reference policies on each part.
 """
 
 import argparse
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--pool", type=Path, required=True)
     parser.add_argument("--base", type=Path, required=True)
     parser.add_argument("--policy", type=Path, nargs="+", required=True)
+    parser.add_argument("--reference", type=Path, nargs="+", default=[])
     args = parser.parse_args()
     cfg = load_config(REPO / "params.yaml")
     test = layout.load_prompts(cfg, "test")
@@ -44,7 +46,12 @@ def main() -> None:
     tags = np.array([TAGS.index(m["tag"]) for m in test])
     base = accuracy(cfg, [args.base], test)
     policy = accuracy(cfg, args.policy, test)
-    out: dict = {"pool": str(args.pool), "policies": [str(p) for p in args.policy]}
+    reference = accuracy(cfg, args.reference, test) if args.reference else None
+    out: dict = {
+        "pool": str(args.pool),
+        "policies": [str(p) for p in args.policy],
+        "references": [str(p) for p in args.reference],
+    }
     for name, keep in (("trained prompts", trained), ("other test prompts", ~trained)):
         gain = rep.difference(policy[:, keep], base[:, keep], tags[keep])
         out[name] = {
@@ -58,6 +65,18 @@ def main() -> None:
             f"{name} ({keep.sum()}): base {out[name]['base']:.3f}, policy "
             f"{out[name]['policy_per_seed']}, {rep.claim_text('gain', gain)}"
         )
+        if reference is not None:
+            versus = rep.difference(policy[:, keep], reference[:, keep], tags[keep])
+            out[name] |= {
+                "reference_per_seed": rep.geneval_overall(reference[:, keep], tags[keep])
+                .round(4)
+                .tolist(),
+                "minus_reference": versus,
+                "minus_reference_per_tag": rep.tag_gains(
+                    policy[:, keep], reference[:, keep], tags[keep]
+                ),
+            }
+            print(f"  {rep.claim_text('minus the reference', versus)}")
     write_json(args.out, out)
 
 
