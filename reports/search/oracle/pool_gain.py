@@ -52,12 +52,16 @@ def main() -> None:
         "policies": [str(p) for p in args.policy],
         "references": [str(p) for p in args.reference],
     }
+
+    def per_seed(runs: np.ndarray, keep: np.ndarray) -> list[float]:
+        return rep.geneval_overall(runs[:, keep], tags[keep]).round(4).tolist()
+
     for name, keep in (("trained prompts", trained), ("other test prompts", ~trained)):
         gain = rep.difference(policy[:, keep], base[:, keep], tags[keep])
         out[name] = {
             "prompts": int(keep.sum()),
             "base": float(rep.geneval_overall(base[0, keep], tags[keep])),
-            "policy_per_seed": rep.geneval_overall(policy[:, keep], tags[keep]).round(4).tolist(),
+            "policy_per_seed": per_seed(policy, keep),
             "gain": gain,
             "gain_per_tag": rep.tag_gains(policy[:, keep], base[:, keep], tags[keep]),
         }
@@ -68,9 +72,7 @@ def main() -> None:
         if reference is not None:
             versus = rep.difference(policy[:, keep], reference[:, keep], tags[keep])
             out[name] |= {
-                "reference_per_seed": rep.geneval_overall(reference[:, keep], tags[keep])
-                .round(4)
-                .tolist(),
+                "reference_per_seed": per_seed(reference, keep),
                 "minus_reference": versus,
                 "minus_reference_per_tag": rep.tag_gains(
                     policy[:, keep], reference[:, keep], tags[keep]
