@@ -31,6 +31,17 @@ from pipeline.geneval import TAGS  # noqa: E402
 from pipeline.io import write_json  # noqa: E402
 
 
+def split_test(pool_path: Path) -> tuple:
+    """The committed config, the test split, and per test prompt whether POOL.jsonl holds it
+    (P,) and its tag id (P,)."""
+    cfg = load_config(REPO / "params.yaml")
+    test = layout.load_prompts(cfg, "test")
+    pool = {(m["tag"], m["prompt"]) for m in map(json.loads, pool_path.read_text().splitlines())}
+    trained = np.array([(m["tag"], m["prompt"]) in pool for m in test])
+    tags = np.array([TAGS.index(m["tag"]) for m in test])
+    return cfg, test, trained, tags
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out", type=Path)
@@ -39,11 +50,7 @@ def main() -> None:
     parser.add_argument("--policy", type=Path, nargs="+", required=True)
     parser.add_argument("--reference", type=Path, nargs="+", default=[])
     args = parser.parse_args()
-    cfg = load_config(REPO / "params.yaml")
-    test = layout.load_prompts(cfg, "test")
-    pool = {(m["tag"], m["prompt"]) for m in map(json.loads, args.pool.read_text().splitlines())}
-    trained = np.array([(m["tag"], m["prompt"]) in pool for m in test])
-    tags = np.array([TAGS.index(m["tag"]) for m in test])
+    cfg, test, trained, tags = split_test(args.pool)
     base = accuracy(cfg, [args.base], test)
     policy = accuracy(cfg, args.policy, test)
     reference = accuracy(cfg, args.reference, test) if args.reference else None

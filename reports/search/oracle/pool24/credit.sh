@@ -1,22 +1,29 @@
 #!/bin/bash
-# Session 42 (reports/search.md): the three credit rules trained on the 24 pool lines, and the
-# two sampler swaps, judged on those lines and on the other 120 test lines.
+# Sessions 42-43 (reports/search.md): the three credit rules trained on the 24 pool lines, and the
+# two sampler swaps, judged on those lines and on the other 120 test lines; session 43 added
+# seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
 here=reports/search/oracle/pool24
 gain() { python "$here/../pool_gain.py" "$@" --pool "$here/prompts.jsonl" --base data/eval/base; }
 runs() { for s in $2; do echo "$here/$1-s$s"; done; }
-flow=$(runs eval/flow_grpo "0 1 2 3")
+flow=$(runs eval/flow_grpo "0 1 2 3 4")
+stepwise=$(runs eval/stepwise "0 1 2 3 4")
+swaps="0 1 2 3 4 5"
 gain "$here/credit-flow_grpo.json" --policy $flow
-gain "$here/credit-stepwise.json" --policy $(runs eval/stepwise "0 1 2 3") --reference $flow
+gain "$here/credit-stepwise.json" --policy $stepwise --reference $flow
 gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "0 1 2 3") --reference $flow
 # Which half of stepwise makes the difference: its credit rule or its DDIM-style SDE? Each swap
-# against the same seeds of the method it came from.
+# against the method it came from.
 gain "$here/swap-stepwise-credit-flow_grpo-sde.json" \
-  --policy $(runs sampler-swap/eval/stepwise "0 1 2") --reference $(runs eval/stepwise "0 1 2")
+  --policy $(runs sampler-swap/eval/stepwise "$swaps") --reference $stepwise
 gain "$here/swap-flow_grpo-credit-stepwise-sde.json" \
-  --policy $(runs sampler-swap/eval/flow_grpo "0 1 2") --reference $(runs eval/flow_grpo "0 1 2")
+  --policy $(runs sampler-swap/eval/flow_grpo "$swaps") --reference $flow
 # The step-wise credit rule on Flow-GRPO's SDE against flow_grpo itself: the credit rule alone.
 gain "$here/swap-stepwise-credit-vs-flow_grpo.json" \
-  --policy $(runs sampler-swap/eval/stepwise "0 1 2") --reference $flow
+  --policy $(runs sampler-swap/eval/stepwise "$swaps") --reference $flow
+# The four credit x SDE cells at once: each half's main effect and their interaction (session 43).
+python "$here/factorial.py" "$here/factorial.json" --pool "$here/prompts.jsonl" \
+  --final-flow $flow --final-ddim $(runs sampler-swap/eval/flow_grpo "$swaps") \
+  --step-flow $(runs sampler-swap/eval/stepwise "$swaps") --step-ddim $stepwise

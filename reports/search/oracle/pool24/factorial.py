@@ -1,0 +1,108 @@
+"""Session 43 scratch measurement (reports/search.md, session 43): the stepwise method is two
+changes from flow_grpo, its credit rule and its DDIM-style SDE. Trained on the 24 pool lines in
+all four combinations, this splits stepwise − flow_grpo into the two main effects and their
+interaction, each with a 95 % bootstrap CI over seeds and prompts.
+
+    python reports/search/oracle/pool24/factorial.py OUT.json --pool POOL.jsonl \
+        --final-flow DIRS --final-ddim DIRS --step-flow DIRS --step-ddim DIRS
+
+Each DIRS is one cell's evaluation folders (one per seed, `results.jsonl` inside): credit
+final|step (flow_grpo's final reward | stepwise's gains), SDE flow|ddim (Flow-GRPO's | the
+DDIM-style one). Effects are contrasts of the cells' GenEval overall:
+  SDE effect     = mean(ddim cells) − mean(flow cells)
+  credit effect  = mean(step cells) − mean(final cells)
+  interaction    = (step_ddim − step_flow) − (final_ddim − final_flow)
+Each bootstrap replicate redraws every cell's seeds on their own (independent training runs)
+and, within each tag, one draw of prompts shared by all cells (the cells are judged on the same
+prompts), as `pipeline.report.bootstrap_difference` does for two policies.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[3]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE.parents[1]))
+sys.path.insert(0, str(HERE.parent))
+import numpy as np  # noqa: E402
+from compare import accuracy  # noqa: E402
+from pool_gain import split_test  # noqa: E402
+
+from pipeline import report as rep  # noqa: E402
+from pipeline.io import write_json  # noqa: E402
+
+CELLS = ("final_flow", "final_ddim", "step_flow", "step_ddim")
+# Contrast weights over CELLS.
+EFFECTS = {
+    "sde_ddim_minus_flow": (-0.5, 0.5, -0.5, 0.5),
+    "credit_step_minus_final": (-0.5, -0.5, 0.5, 0.5),
+    "interaction": (1.0, -1.0, -1.0, 1.0),
+    "stepwise_minus_flow_grpo": (-1.0, 0.0, 0.0, 1.0),
+}
+
+
+def contrast(
+    cells: list[np.ndarray],
+    weights: tuple[float, ...],
+    tags: np.ndarray,
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
+) -> dict:
+    """Σ_c w_c · GenEval overall(cell c), with its 95 % percentile-bootstrap CI.
+
+    cells: per cell a (S_c, P) per-seed per-prompt accuracy on the same P prompts; weights: one
+    per cell; tags: (P,) tag ids. Returns {"diff", "ci95", "separated"} as `rep.difference`."""
+
+    def value(means: list[np.ndarray], keep_tags: np.ndarray) -> float:
+        return float(
+            sum(w * rep.geneval_overall(m, keep_tags) for w, m in zip(weights, means, strict=True))
+        )
+
+    point = value([c.mean(0) for c in cells], tags)
+    rng = np.random.default_rng(seed)
+    by_tag = [np.flatnonzero(tags == t) for t in np.unique(tags)]
+    replicates = np.empty(n_boot)
+    for i in range(n_boot):
+        prompts = np.concatenate([rng.choice(idx, size=idx.size) for idx in by_tag])
+        seeds = [rng.integers(len(c), size=len(c)) for c in cells]
+        replicates[i] = value(
+            [c[s][:, prompts].mean(0) for c, s in zip(cells, seeds, strict=True)], tags[prompts]
+        )
+    low, high = np.percentile(replicates, [2.5, 97.5])
+    return {"diff": point, "ci95": [float(low), float(high)], "separated": not low <= 0 <= high}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--pool", type=Path, required=True)
+    for cell in CELLS:
+        parser.add_argument(f"--{cell.replace('_', '-')}", type=Path, nargs="+", required=True)
+    args = parser.parse_args()
+    cfg, test, trained, tags = split_test(args.pool)
+    runs = {cell: accuracy(cfg, getattr(args, cell), test) for cell in CELLS}
+    out: dict = {
+        "pool": str(args.pool),
+        "cells": {c: [str(p) for p in getattr(args, c)] for c in CELLS},
+    }
+    for name, keep in (("trained prompts", trained), ("other test prompts", ~trained)):
+        cells = [runs[c][:, keep] for c in CELLS]
+        out[name] = {
+            "prompts": int(keep.sum()),
+            "per_seed": {
+                c: rep.geneval_overall(runs[c][:, keep], tags[keep]).round(4).tolist()
+                for c in CELLS
+            },
+            "effects": {e: contrast(cells, w, tags[keep]) for e, w in EFFECTS.items()},
+        }
+        print(f"{name} ({keep.sum()}):")
+        for effect, claim in out[name]["effects"].items():
+            print(f"  {rep.claim_text(effect, claim)}")
+    write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    main()
