@@ -502,36 +502,65 @@ def geneval_overall(accuracy: np.ndarray, tags: np.ndarray) -> np.ndarray:
     return np.stack(list(tag_means(accuracy, tags).values())).mean(0)
 
 
-def bootstrap_difference(
-    a: np.ndarray, b: np.ndarray, tags: np.ndarray, *, n_boot: int = 2000, seed: int = 0
+def bootstrap_contrast(
+    cells: Sequence[np.ndarray],
+    weights: Sequence[float],
+    tags: np.ndarray,
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
 ) -> tuple[float, tuple[float, float]]:
-    """GenEval overall of A minus B, with a 95 % percentile-bootstrap CI over seeds and prompts.
+    """Σ_c w_c · GenEval overall of cell c, with a 95 % percentile-bootstrap CI over seeds and
+    prompts.
 
-    a: (S_a, P), b: (S_b, P) per-seed per-prompt accuracy of the two methods on the same P
-    prompts (same order); tags: (P,) each prompt's tag id. The point estimate averages over
-    seeds. Each replicate redraws each method's seeds (independent training runs) and, within
-    each tag, the prompts, the same for both methods (a paired comparison), so the CI covers
-    both the seed-to-seed and the prompt-to-prompt variation.
+    cells: per policy (a method, or a cell of a factorial design) an (S_c, P) per-seed per-prompt
+    accuracy on the same P prompts (same order); weights: one per cell, e.g. (1, −1) for A minus
+    B; tags: (P,) each prompt's tag id. The point estimate averages over seeds. Each replicate
+    redraws each cell's seeds (independent training runs) and, within each tag, the prompts, the
+    same for every cell (a paired comparison), so the CI covers both the seed-to-seed and the
+    prompt-to-prompt variation. GenEval overall is linear in the per-prompt accuracy, so a
+    replicate scores the weighted sum of the cells' per-prompt means.
     """
-    a, b, tags = np.asarray(a, float), np.asarray(b, float), np.asarray(tags)
-    diff = float(geneval_overall(a.mean(0), tags) - geneval_overall(b.mean(0), tags))
+    cells = [np.asarray(cell, float) for cell in cells]
+    if len(weights) != len(cells):
+        raise ValueError(f"{len(weights)} weights for {len(cells)} cells")
+    tags = np.asarray(tags)
+    point = float(
+        sum(w * geneval_overall(cell.mean(0), tags) for w, cell in zip(weights, cells, strict=True))
+    )
     rng = np.random.default_rng(seed)
     by_tag = [np.flatnonzero(tags == t) for t in np.unique(tags)]
     replicates = np.empty(n_boot)
     for i in range(n_boot):
         prompts = np.concatenate([rng.choice(idx, size=idx.size) for idx in by_tag])
-        mean_a = a[rng.integers(len(a), size=len(a))][:, prompts].mean(0)
-        mean_b = b[rng.integers(len(b), size=len(b))][:, prompts].mean(0)
-        replicates[i] = geneval_overall(mean_a - mean_b, tags[prompts])
+        combined = sum(
+            w * cell[rng.integers(len(cell), size=len(cell))][:, prompts].mean(0)
+            for w, cell in zip(weights, cells, strict=True)
+        )
+        replicates[i] = geneval_overall(combined, tags[prompts])
     low, high = np.percentile(replicates, [2.5, 97.5])
-    return diff, (float(low), float(high))
+    return point, (float(low), float(high))
+
+
+def bootstrap_difference(
+    a: np.ndarray, b: np.ndarray, tags: np.ndarray, *, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, tuple[float, float]]:
+    """GenEval overall of A minus B with its 95 % bootstrap CI: `bootstrap_contrast` of the two
+    (a: (S_a, P), b: (S_b, P), tags: (P,))."""
+    return bootstrap_contrast([a, b], (1.0, -1.0), tags, n_boot=n_boot, seed=seed)
+
+
+def contrast(cells: Sequence[np.ndarray], weights: Sequence[float], tags: np.ndarray) -> dict:
+    """`bootstrap_contrast` as a JSON-ready dict: {"diff", "ci95", "separated" (the CI excludes
+    0)}."""
+    diff, ci = bootstrap_contrast(cells, weights, tags)
+    return {"diff": diff, "ci95": list(ci), "separated": not ci[0] <= 0.0 <= ci[1]}
 
 
 def difference(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict:
-    """A's GenEval overall minus B's as a JSON-ready dict: {"diff", "ci95", "separated" (the CI
-    excludes 0)}; a: (S_a, P), b: (S_b, P), tags: (P,) as in `bootstrap_difference`."""
-    diff, ci = bootstrap_difference(a, b, tags)
-    return {"diff": diff, "ci95": list(ci), "separated": not ci[0] <= 0.0 <= ci[1]}
+    """A's GenEval overall minus B's as a JSON-ready dict (`contrast`); a: (S_a, P), b: (S_b, P),
+    tags: (P,) as in `bootstrap_difference`."""
+    return contrast([a, b], (1.0, -1.0), tags)
 
 
 def tag_gains(a: np.ndarray, b: np.ndarray, tags: np.ndarray) -> dict[str, float]:

@@ -352,6 +352,30 @@ def test_bootstrap_difference_hand_cases():
     assert first[1][0] < first[0] < first[1][1]
 
 
+def test_bootstrap_contrast_splits_a_factorial_into_its_effects():
+    tags = np.repeat([0, 1, 2], 4)
+    base = np.random.default_rng(1).uniform(0.2, 0.6, size=12)
+    # 2x2 cells with additive effects (credit +0.1, SDE -0.05) and seeds that agree: each main
+    # effect is exact, the interaction is 0, and no resampling can move either
+    cells = [np.tile(base + credit + sde, (3, 1)) for credit in (0.0, 0.1) for sde in (0.0, -0.05)]
+    credit, (low, high) = rep.bootstrap_contrast(cells, (-0.5, -0.5, 0.5, 0.5), tags)
+    assert credit == pytest.approx(0.1) and (low, high) == pytest.approx((0.1, 0.1))
+    sde, _ = rep.bootstrap_contrast(cells, (-0.5, 0.5, -0.5, 0.5), tags)
+    assert sde == pytest.approx(-0.05)
+    interaction, (low, high) = rep.bootstrap_contrast(cells, (1, -1, -1, 1), tags)
+    assert interaction == pytest.approx(0.0, abs=1e-12)
+    assert (low, high) == pytest.approx((0.0, 0.0), abs=1e-12)
+    # one cell with weight 1 is that policy's GenEval overall; its seeds 0.2 and 0.4 on every
+    # prompt bound what a redraw of two seeds can give
+    single = np.repeat([[0.2], [0.4]], 12, axis=1)
+    overall, (low, high) = rep.bootstrap_contrast([single], (1.0,), tags, n_boot=4000)
+    assert overall == pytest.approx(0.3) and (low, high) == pytest.approx((0.2, 0.4))
+    claim = rep.contrast(cells, (-0.5, -0.5, 0.5, 0.5), tags)
+    assert claim["diff"] == pytest.approx(0.1) and claim["separated"]
+    with pytest.raises(ValueError, match="3 weights for 4 cells"):
+        rep.bootstrap_contrast(cells, (1, -1, 1), tags)
+
+
 def test_claim_text():
     claim = {"diff": 0.031, "ci95": [-0.01, 0.07], "separated": False}
     assert rep.claim_text("stepwise_vs_flow_grpo", claim) == (

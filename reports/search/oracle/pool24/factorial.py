@@ -12,9 +12,9 @@ DDIM-style one). Effects are contrasts of the cells' GenEval overall:
   SDE effect     = mean(ddim cells) − mean(flow cells)
   credit effect  = mean(step cells) − mean(final cells)
   interaction    = (step_ddim − step_flow) − (final_ddim − final_flow)
-Each bootstrap replicate redraws every cell's seeds on their own (independent training runs)
-and, within each tag, one draw of prompts shared by all cells (the cells are judged on the same
-prompts), as `pipeline.report.bootstrap_difference` does for two policies.
+The CIs are `pipeline.report.bootstrap_contrast`'s: each bootstrap replicate redraws every cell's
+seeds on their own (independent training runs) and, within each tag, one draw of prompts shared
+by all cells (the cells are judged on the same prompts).
 """
 
 import argparse
@@ -26,7 +26,6 @@ REPO = HERE.parents[3]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(HERE.parents[1]))
 sys.path.insert(0, str(HERE.parent))
-import numpy as np  # noqa: E402
 from compare import accuracy  # noqa: E402
 from pool_gain import split_test  # noqa: E402
 
@@ -41,38 +40,6 @@ EFFECTS = {
     "interaction": (1.0, -1.0, -1.0, 1.0),
     "stepwise_minus_flow_grpo": (-1.0, 0.0, 0.0, 1.0),
 }
-
-
-def contrast(
-    cells: list[np.ndarray],
-    weights: tuple[float, ...],
-    tags: np.ndarray,
-    *,
-    n_boot: int = 2000,
-    seed: int = 0,
-) -> dict:
-    """Σ_c w_c · GenEval overall(cell c), with its 95 % percentile-bootstrap CI.
-
-    cells: per cell a (S_c, P) per-seed per-prompt accuracy on the same P prompts; weights: one
-    per cell; tags: (P,) tag ids. Returns {"diff", "ci95", "separated"} as `rep.difference`."""
-
-    def value(means: list[np.ndarray], keep_tags: np.ndarray) -> float:
-        return float(
-            sum(w * rep.geneval_overall(m, keep_tags) for w, m in zip(weights, means, strict=True))
-        )
-
-    point = value([c.mean(0) for c in cells], tags)
-    rng = np.random.default_rng(seed)
-    by_tag = [np.flatnonzero(tags == t) for t in np.unique(tags)]
-    replicates = np.empty(n_boot)
-    for i in range(n_boot):
-        prompts = np.concatenate([rng.choice(idx, size=idx.size) for idx in by_tag])
-        seeds = [rng.integers(len(c), size=len(c)) for c in cells]
-        replicates[i] = value(
-            [c[s][:, prompts].mean(0) for c, s in zip(cells, seeds, strict=True)], tags[prompts]
-        )
-    low, high = np.percentile(replicates, [2.5, 97.5])
-    return {"diff": point, "ci95": [float(low), float(high)], "separated": not low <= 0 <= high}
 
 
 def main() -> None:
@@ -96,7 +63,7 @@ def main() -> None:
                 c: rep.geneval_overall(runs[c][:, keep], tags[keep]).round(4).tolist()
                 for c in CELLS
             },
-            "effects": {e: contrast(cells, w, tags[keep]) for e, w in EFFECTS.items()},
+            "effects": {e: rep.contrast(cells, w, tags[keep]) for e, w in EFFECTS.items()},
         }
         print(f"{name} ({keep.sum()}):")
         for effect, claim in out[name]["effects"].items():
