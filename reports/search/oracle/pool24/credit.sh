@@ -1,19 +1,20 @@
 #!/bin/bash
-# Sessions 42-43 (reports/search.md): the three credit rules trained on the 24 pool lines, and the
+# Sessions 42-44 (reports/search.md): the three credit rules trained on the 24 pool lines, and the
 # two sampler swaps, judged on those lines and on the other 120 test lines; session 43 added
-# seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py).
+# seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py);
+# session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap.
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
 here=reports/search/oracle/pool24
 gain() { python "$here/../pool_gain.py" "$@" --pool "$here/prompts.jsonl" --base data/eval/base; }
 runs() { for s in $2; do echo "$here/$1-s$s"; done; }
-flow=$(runs eval/flow_grpo "0 1 2 3 4")
-stepwise=$(runs eval/stepwise "0 1 2 3 4")
-swaps="0 1 2 3 4 5"
+flow=$(runs eval/flow_grpo "0 1 2 3 4 5 6")
+stepwise=$(runs eval/stepwise "0 1 2 3 4 5 6")
+swaps="0 1 2 3 4 5 6"
 gain "$here/credit-flow_grpo.json" --policy $flow
 gain "$here/credit-stepwise.json" --policy $stepwise --reference $flow
-gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "0 1 2 3") --reference $flow
+gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "0 1 2 3 4 5") --reference $flow
 # Which half of stepwise makes the difference: its credit rule or its DDIM-style SDE? Each swap
 # against the method it came from.
 gain "$here/swap-stepwise-credit-flow_grpo-sde.json" \
