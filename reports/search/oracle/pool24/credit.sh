@@ -28,3 +28,9 @@ gain "$here/swap-stepwise-credit-vs-flow_grpo.json" \
 python "$here/factorial.py" "$here/factorial.json" --pool "$here/prompts.jsonl" \
   --final-flow $flow --final-ddim $(runs sampler-swap/eval/flow_grpo "$swaps") \
   --step-flow $(runs sampler-swap/eval/stepwise "$swaps") --step-ddim $stepwise
+# Round 0 of every run: the base sampled by each SDE (sessions 43-44); tp_grpo samples with
+# Flow-GRPO's SDE.
+python "$here/round0.py" "$here/round0.json" \
+  --flow-sde $(runs train/flow_grpo "0 1 2 3 4 5 6") $(runs sampler-swap/train/stepwise "$swaps") \
+    $(runs train/tp_grpo "0 1 2 3 4 5") \
+  --ddim-sde $(runs sampler-swap/train/flow_grpo "$swaps") $(runs train/stepwise "0 1 2 3 4 5 6")
