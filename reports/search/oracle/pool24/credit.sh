@@ -2,16 +2,17 @@
 # Sessions 42-44 (reports/search.md): the three credit rules trained on the 24 pool lines, and the
 # two sampler swaps, judged on those lines and on the other 120 test lines; session 43 added
 # seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py);
-# session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap.
+# session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap; session 45
+# seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
 here=reports/search/oracle/pool24
 gain() { python "$here/../pool_gain.py" "$@" --pool "$here/prompts.jsonl" --base data/eval/base; }
 runs() { for s in $2; do echo "$here/$1-s$s"; done; }
-flow=$(runs eval/flow_grpo "0 1 2 3 4 5 6")
-stepwise=$(runs eval/stepwise "0 1 2 3 4 5 6")
-swaps="0 1 2 3 4 5 6"
+flow=$(runs eval/flow_grpo "0 1 2 3 4 5 6 7 8")
+stepwise=$(runs eval/stepwise "0 1 2 3 4 5 6 7 8")
+swaps="0 1 2 3 4 5 6 7 8"
 gain "$here/credit-flow_grpo.json" --policy $flow
 gain "$here/credit-stepwise.json" --policy $stepwise --reference $flow
 gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "0 1 2 3 4 5") --reference $flow
@@ -31,6 +32,6 @@ python "$here/factorial.py" "$here/factorial.json" --pool "$here/prompts.jsonl" 
 # Round 0 of every run: the base sampled by each SDE (sessions 43-44); tp_grpo samples with
 # Flow-GRPO's SDE.
 python "$here/round0.py" "$here/round0.json" \
-  --flow-sde $(runs train/flow_grpo "0 1 2 3 4 5 6") $(runs sampler-swap/train/stepwise "$swaps") \
+  --flow-sde $(runs train/flow_grpo "0 1 2 3 4 5 6 7 8") $(runs sampler-swap/train/stepwise "$swaps") \
     $(runs train/tp_grpo "0 1 2 3 4 5") \
-  --ddim-sde $(runs sampler-swap/train/flow_grpo "$swaps") $(runs train/stepwise "0 1 2 3 4 5 6")
+  --ddim-sde $(runs sampler-swap/train/flow_grpo "$swaps") $(runs train/stepwise "0 1 2 3 4 5 6 7 8")
