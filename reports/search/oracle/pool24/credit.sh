@@ -10,28 +10,29 @@ set -e
 here=reports/search/oracle/pool24
 gain() { python "$here/../pool_gain.py" "$@" --pool "$here/prompts.jsonl" --base data/eval/base; }
 runs() { for s in $2; do echo "$here/$1-s$s"; done; }
-flow=$(runs eval/flow_grpo "0 1 2 3 4 5 6 7 8")
-stepwise=$(runs eval/stepwise "0 1 2 3 4 5 6 7 8")
-swaps="0 1 2 3 4 5 6 7 8"
+seeds="0 1 2 3 4 5 6 7 8"  # every cell of the 2x2
+tp_seeds="0 1 2 3 4 5"
+flow=$(runs eval/flow_grpo "$seeds")
+stepwise=$(runs eval/stepwise "$seeds")
 gain "$here/credit-flow_grpo.json" --policy $flow
 gain "$here/credit-stepwise.json" --policy $stepwise --reference $flow
-gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "0 1 2 3 4 5") --reference $flow
+gain "$here/credit-tp_grpo.json" --policy $(runs eval/tp_grpo "$tp_seeds") --reference $flow
 # Which half of stepwise makes the difference: its credit rule or its DDIM-style SDE? Each swap
 # against the method it came from.
 gain "$here/swap-stepwise-credit-flow_grpo-sde.json" \
-  --policy $(runs sampler-swap/eval/stepwise "$swaps") --reference $stepwise
+  --policy $(runs sampler-swap/eval/stepwise "$seeds") --reference $stepwise
 gain "$here/swap-flow_grpo-credit-stepwise-sde.json" \
-  --policy $(runs sampler-swap/eval/flow_grpo "$swaps") --reference $flow
+  --policy $(runs sampler-swap/eval/flow_grpo "$seeds") --reference $flow
 # The step-wise credit rule on Flow-GRPO's SDE against flow_grpo itself: the credit rule alone.
 gain "$here/swap-stepwise-credit-vs-flow_grpo.json" \
-  --policy $(runs sampler-swap/eval/stepwise "$swaps") --reference $flow
+  --policy $(runs sampler-swap/eval/stepwise "$seeds") --reference $flow
 # The four credit x SDE cells at once: each half's main effect and their interaction (session 43).
 python "$here/factorial.py" "$here/factorial.json" --pool "$here/prompts.jsonl" \
-  --final-flow $flow --final-ddim $(runs sampler-swap/eval/flow_grpo "$swaps") \
-  --step-flow $(runs sampler-swap/eval/stepwise "$swaps") --step-ddim $stepwise
+  --final-flow $flow --final-ddim $(runs sampler-swap/eval/flow_grpo "$seeds") \
+  --step-flow $(runs sampler-swap/eval/stepwise "$seeds") --step-ddim $stepwise
 # Round 0 of every run: the base sampled by each SDE (sessions 43-44); tp_grpo samples with
 # Flow-GRPO's SDE.
 python "$here/round0.py" "$here/round0.json" \
-  --flow-sde $(runs train/flow_grpo "0 1 2 3 4 5 6 7 8") $(runs sampler-swap/train/stepwise "$swaps") \
-    $(runs train/tp_grpo "0 1 2 3 4 5") \
-  --ddim-sde $(runs sampler-swap/train/flow_grpo "$swaps") $(runs train/stepwise "0 1 2 3 4 5 6 7 8")
+  --flow-sde $(runs train/flow_grpo "$seeds") $(runs sampler-swap/train/stepwise "$seeds") \
+    $(runs train/tp_grpo "$tp_seeds") \
+  --ddim-sde $(runs sampler-swap/train/flow_grpo "$seeds") $(runs train/stepwise "$seeds")
