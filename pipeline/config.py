@@ -309,6 +309,13 @@ class RescoreParams(Section):
     rewards: str = "shapes_clip=1"  # NAME[=WEIGHT],...
 
 
+class BenchParams(Section):
+    """`bench` stage: how many timings each median is taken over."""
+
+    repeats: PositiveInt = 5  # timed rollouts (and bare network passes) per sampler
+    round_repeats: PositiveInt = 3  # timed rounds per method, after one warm-up round each
+
+
 class Config(Section):
     """All of `params.yaml`. `root` is the directory relative paths are resolved against."""
 
@@ -327,6 +334,7 @@ class Config(Section):
     train: TrainParams = TrainParams()
     evaluate: EvaluateParams = EvaluateParams()
     rescore: RescoreParams = RescoreParams()
+    bench: BenchParams = BenchParams()
 
     @model_validator(mode="after")
     def _window_inside_schedule(self) -> Config:

@@ -35,6 +35,6 @@ STAGES = {
         *("model.backend", "score.rewards"),
     ),
     "rescore": ("rescore", "score", "advantages", "sampling", "rollout", "model", "update"),
-    "bench": (*_ROUND, "train.methods", "train.seeds"),
+    "bench": (*_ROUND, "train.methods", "train.seeds", "bench"),
 }
 PER_ROUND = ("rollout", "score", "advantages", "update")

@@ -27,8 +27,6 @@ from pipeline.io import write_json, write_text
 from pipeline.policy import Policy, load_backend
 from pipeline.tracking import log_artifact, log_metrics
 
-REPEATS = 5  # timed rollouts (and raw passes) per sampler; the median is kept
-ROUND_REPEATS = 3  # timed rounds per method (after one warm-up round each)
 HEADLINE = ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_nfe_ratio")
 
 
@@ -43,10 +41,11 @@ def bench(cfg: Config) -> dict:
         result["notes"].append(f"rollout efficiency and round costs not measured: {exc}")
     else:
         rollout = [
-            rollout_efficiency(backend, prompts, cfg, kind, REPEATS) for kind in samplers_of(cfg)
+            rollout_efficiency(backend, prompts, cfg, kind, cfg.bench.repeats)
+            for kind in samplers_of(cfg)
         ]
         policy = Policy.create(cfg, backend)  # LoRA on: the network the rounds train
-        cost = round_costs(policy, prompts, cfg, cfg.train.methods, ROUND_REPEATS)
+        cost = round_costs(policy, prompts, cfg, cfg.train.methods, cfg.bench.round_repeats)
         result = benchmark(runs, round_cost=cost) | {"round_cost": cost, "rollout": rollout}
         # The slowest sampler bounds what any method's rollouts keep of raw throughput.
         result["rollout_efficiency"] = min(r["efficiency"] for r in rollout)

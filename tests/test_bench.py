@@ -122,11 +122,10 @@ def test_missing_baseline_or_a_flat_baseline_gives_no_ratios(tmp_path):
     assert any("did not improve" in n for n in result["notes"])
 
 
-def test_bench_stage_writes_json_and_markdown(tiny_project, monkeypatch):
-    monkeypatch.setattr("stages.bench.REPEATS", 2)  # seconds, not minutes, on a shared CPU
-    monkeypatch.setattr("stages.bench.ROUND_REPEATS", 1)
+def test_bench_stage_writes_json_and_markdown(tiny_project):
     write_runs(tiny_project, CURVES)
-    cfg = load_config(tiny_project / "params.yaml")
+    # seconds, not minutes, on a shared CPU
+    cfg = load_config(tiny_project / "params.yaml", ["bench.repeats=2", "bench.round_repeats=1"])
     bench.fn(cfg)
     result = json.loads((tiny_project / "reports/benchmark.json").read_text())
     for key in ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_cost_ratio_runs"):

@@ -46,6 +46,8 @@ SMOKE = [
     "train.rounds=2",
     "train.seeds=[0]",
     "evaluate.images_per_prompt=1",
+    "bench.repeats=1",
+    "bench.round_repeats=1",
 ]
 
 
@@ -73,6 +75,8 @@ def clone(root: Path) -> tuple[Path, dict[str, str]]:
         if not k.startswith(("MLFLOW_", "PREFECT_", "CREDITFLOW_"))
     }
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one core per worker (conftest.py), stages too
+        env["OMP_NUM_THREADS"] = "1"
     env["GIT_AUTHOR_NAME"] = env["GIT_COMMITTER_NAME"] = "ci"
     env["GIT_AUTHOR_EMAIL"] = env["GIT_COMMITTER_EMAIL"] = "ci@localhost"
     for cmd in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "smoke"]):

@@ -408,8 +408,8 @@ def test_report_and_bench_after_real_tiny_runs(tiny_project, monkeypatch):
     from stages.flows import train
 
     monkeypatch.setitem(REWARDS, "brightness", brightness)
-    monkeypatch.setattr("stages.bench.REPEATS", 1)
     overrides = ["score.rewards={brightness: 1.0}", "train.seeds=[0]", "train.rounds=2"]
+    overrides += ["bench.repeats=1"]
     for method in ("flow_grpo", "stepwise", "tp_grpo"):
         train(load_config(tiny_project / "params.yaml", [*overrides, f"train.method={method}"]))
     cfg = load_config(tiny_project / "params.yaml", overrides)

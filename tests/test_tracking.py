@@ -58,6 +58,7 @@ def test_stages_of_one_params_file_share_one_parent(project, monkeypatch, tmp_pa
     assert "metrics.bad" not in runs.columns  # a NaN metric is dropped, not logged
 
 
+@pytest.mark.fresh_mlflow
 def test_three_concurrent_first_uses_of_a_fresh_project_all_succeed(project):
     """Three `creditflow prompts` at once on a project with no MLflow database and no Prefect
     home: the schema creation and the Prefect database migration happen once, under a lock."""
@@ -89,6 +90,7 @@ def _client_runs(uri: str) -> list:
     return client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
 
 
+@pytest.mark.fresh_mlflow
 def test_a_user_set_tracking_uri_receives_the_runs(project, monkeypatch, tmp_path):
     elsewhere = f"sqlite:///{tmp_path / 'elsewhere.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", elsewhere)
