@@ -19,13 +19,13 @@ pooled over the steps (the advantages as trained, so a rule's scale across steps
 
 - ρ: Pearson correlation over trajectories, both sides centred per prompt group (what a
   group's baseline leaves), the share of the rule's variation that tracks A*; with a 95 %
-  bootstrap CI over prompt groups, and its difference to flow_grpo's rule on the same round
+  bootstrap CI over prompt groups, and its difference to flow_grpo's rule on the same rounds
   (paired: the same resamples);
 - ρ corrected: ρ over the square root of A*'s Monte Carlo reliability (its split-half
   correlation, Spearman–Brown), the correlation with the noise-free A*;
 - sign: how often the trained advantage's sign is the centred A*'s (ties left out).
 
-    python benchmarks/credit_fidelity.py     # ~32 min on two cores
+    python benchmarks/credit_fidelity.py     # 37 min at two threads (session 46)
 
 writes reports/credit_fidelity.json and reports/credit_fidelity.md.
 """
@@ -277,7 +277,7 @@ def markdown(results: list[dict], command: str) -> str:
         "prompt of each, its own x_T per round); A*_k = V(x_{k+1}) − V(x_k) from Monte Carlo "
         "continuations. Per trained step (noisiest first, then all steps "
         "pooled): ρ with a 95 % bootstrap CI over prompt groups, ρ corrected for the Monte Carlo "
-        "noise of A*, ρ minus flow_grpo's rule's on the same round (paired CI), and the sign "
+        "noise of A*, ρ minus flow_grpo's rule's on the same rounds (paired CI), and the sign "
         "agreement; `benchmarks/credit_fidelity.py`'s docstring defines them.",
         "",
         "| SDE (trained steps) | rule | ρ [95 % CI] | ρ corrected | ρ − flow_grpo's [95 % CI] "
