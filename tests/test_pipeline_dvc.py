@@ -76,7 +76,7 @@ def clone(root: Path) -> tuple[Path, dict[str, str]]:
     }
     # OMP_NUM_THREADS is left unset (conftest.py sets it for function-scoped tests only): the
     # other worker is done long before this module, and one thread a stage left a core idle
-    # (the smoke repro took 536 s against 519 s with two, session 46)
+    # (session 46's CI: the smoke repro took 536 s with one thread a stage, 507 s with two)
     env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
     env["GIT_AUTHOR_NAME"] = env["GIT_COMMITTER_NAME"] = "ci"
     env["GIT_AUTHOR_EMAIL"] = env["GIT_COMMITTER_EMAIL"] = "ci@localhost"
