@@ -179,26 +179,39 @@ def monte_carlo_values(
     return values
 
 
-def one_round(backend, schedule, prompts, rewards, sampler: str, round_index: int, args):
-    """One round of the base policy on every prompt: its final rewards (N,), the Monte Carlo A*
-    (N, K) and its two halves, and each rule's trained advantages (N, K)."""
+def one_round(backend, schedule, cfg, prompts, rewards, round_index: int, args):
+    """One round of the base policy on every prompt (`cfg`: the params with the round's sampler):
+    its final rewards (N,), the Monte Carlo A* (N, K) and its two halves, and each rule's trained
+    advantages (N, K)."""
     from pipeline.config import load_config
     from pipeline.rounds import (
         CountingVelocity,
         assign_credit,
         derived_seed,
+        reward_matrix,
         rollout_round,
         score_round,
     )
 
-    cfg = load_config(args.params, [f"rollout.sampler={sampler}"])
     rollout = rollout_round(
         backend, prompts, list(range(len(prompts))), schedule, cfg, method="fidelity",
         seed=args.seed, round_index=round_index, run_id="fidelity", model_version="base",
         counter=CountingVelocity(backend, cfg.sampling.guidance),
     )  # fmt: skip
     metadata = [line for line in prompts for _ in range(cfg.rollout.group_size)]
-    final = rewards(rollout.images, metadata)["mix"].double()  # (N,)
+    advantages, tables = {}, {}  # tables: one score table per distinct scoring override
+    for name, (method, overrides) in RULES.items():
+        rule_cfg = load_config(args.params, [f"rollout.sampler={schedule.kind}", *overrides])
+        key = tuple(overrides)
+        if key not in tables:
+            tables[key] = score_round(
+                backend, rollout, metadata, rewards, rule_cfg, estimators=("ode_completion",),
+                schedule=schedule, counter=CountingVelocity(backend, cfg.sampling.guidance),
+            ).table  # fmt: skip
+        credit = assign_credit(method, tables[key], rollout.group_ids, schedule, rule_cfg)
+        advantages[name] = credit.advantages
+    last_state = torch.tensor([schedule.sigmas.numel() - 1])  # every table scores the final images
+    final = reward_matrix(tables[()], "final", "mix", rollout.num_trajectories, last_state)[:, 0]
     values = monte_carlo_values(
         backend, rollout, schedule, metadata, rewards, final,
         continuations=args.continuations, batch=args.batch,
@@ -206,16 +219,7 @@ def one_round(backend, schedule, prompts, rewards, sampler: str, round_index: in
     )  # fmt: skip
     truth = values.mean(dim=2).diff(dim=1)  # (N, K) A*
     halves = [part.mean(dim=2).diff(dim=1) for part in values.split(args.continuations // 2, 2)]
-    advantages = {}
-    for name, (method, overrides) in RULES.items():
-        rule_cfg = load_config(args.params, [f"rollout.sampler={sampler}", *overrides])
-        table = score_round(
-            backend, rollout, metadata, rewards, rule_cfg,
-            estimators=() if method == "flow_grpo" else ("ode_completion",), schedule=schedule,
-            counter=CountingVelocity(backend, cfg.sampling.guidance),
-        ).table  # fmt: skip
-        advantages[name] = assign_credit(method, table, rollout.group_ids, schedule, rule_cfg)
-    return final, truth, halves, {name: c.advantages for name, c in advantages.items()}
+    return final, truth, halves, advantages
 
 
 def measure(sampler: str, args) -> dict:
@@ -235,7 +239,7 @@ def measure(sampler: str, args) -> dict:
     prompts = world.read_prompts(args.prompts)
     rewards = RewardMix(cfg, cfg.score.rewards)
     rounds = [
-        one_round(backend, schedule, prompts, rewards, sampler, r, args) for r in range(args.rounds)
+        one_round(backend, schedule, cfg, prompts, rewards, r, args) for r in range(args.rounds)
     ]
     # every round's groups are groups of their own: the same prompt, another x_T
     group_ids = torch.arange(len(prompts) * args.rounds).repeat_interleave(cfg.rollout.group_size)
