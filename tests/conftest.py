@@ -28,8 +28,9 @@ SLOWEST_FIRST = ("test_pipeline_dvc.py",)  # the DVC smoke repro: the suite's cr
 
 
 def pytest_collection_modifyitems(config, items):
-    """Collect the slowest module first, so that under `-n 2 --dist loadfile` one worker starts
-    it at once while the other works through the rest."""
+    """Collect the slowest module first, so that under `-n 2 --dist loadfile
+    --no-loadscope-reorder` one worker starts it at once while the other works through the rest
+    (xdist's default reorder, by tests per module, queued it seventeenth)."""
     items.sort(key=lambda item: item.path.name not in SLOWEST_FIRST)
 
 
