@@ -147,15 +147,16 @@ def prefect_ready() -> None:
     each temporary server migrates the database and registers Prefect's block types when it
     starts, and two starting at once on one database collide (three concurrent first uses of a
     project timed out on a failed UNIQUE constraint). Started here, it is the server the flow
-    then uses (Prefect keeps one per process)."""
+    then uses (Prefect keeps one per process). With a real server nothing is imported: the
+    server module alone took ~3-6 s of every stage's start-up."""
+    if os.environ.get("PREFECT_API_URL"):  # a real server: it owns its database
+        return
     from pathlib import Path
 
     from prefect.server.api.server import SubprocessASGIServer
 
     from pipeline.io import file_lock
 
-    if os.environ.get("PREFECT_API_URL"):  # a real server: it owns its database
-        return
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     with file_lock(home / "server-start.lock"):
         SubprocessASGIServer().start()
