@@ -170,6 +170,18 @@ def write_tiny_sd3(root: Path) -> Path:
     return directory
 
 
+def _tiny_vision_config(image_size: int) -> dict:
+    """The vision tower shared by the tiny CLIP and the tiny OWLv2: one layer, 8-pixel patches."""
+    return {
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": 8,
+    }
+
+
 def write_tiny_clip(directory: Path, *, image_size: int = 32, seed: int = 6) -> Path:
     """A random CLIPModel plus its CLIPProcessor (resize/crop to image_size) in directory."""
     from transformers import (
@@ -185,14 +197,7 @@ def write_tiny_clip(directory: Path, *, image_size: int = 32, seed: int = 6) -> 
     model = CLIPModel(
         CLIPConfig(
             text_config=_clip_text_encoder(tokenizer, 16, seed=seed).config.to_dict(),
-            vision_config={
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "image_size": image_size,
-                "patch_size": 8,
-            },
+            vision_config=_tiny_vision_config(image_size),
             projection_dim=16,
         )
     )
@@ -228,14 +233,7 @@ def write_tiny_owlv2(directory: Path, *, image_size: int = 32, seed: int = 7) ->
                 "eos_token_id": tokenizer.eos_token_id,
                 "pad_token_id": tokenizer.pad_token_id,
             },
-            vision_config={
-                "hidden_size": 16,
-                "intermediate_size": 32,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "image_size": image_size,
-                "patch_size": 8,
-            },
+            vision_config=_tiny_vision_config(image_size),
             projection_dim=16,
         )
     )
