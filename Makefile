@@ -15,8 +15,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
+# One Prefect server for the whole repro: without it every stage starts a temporary one.
 run: setup
-	PATH=$(abspath $(BIN)):$$PATH dvc repro
+	PATH=$(abspath $(BIN)):$$PATH creditflow with-server dvc repro
 
 lint: setup
 	$(BIN)/ruff format --check .

@@ -149,6 +149,39 @@ def import_ablation(
     print(f"kept {method} runs of {source} in {folder} (params that differ: ablation.json)")
 
 
+def with_server(
+    command: Annotated[
+        list[str], typer.Argument(help="the command and its arguments, e.g. dvc repro")
+    ],
+) -> None:
+    """Run a command (`dvc repro`, `dvc exp run ...`) with one Prefect server for all of its
+    stages, instead of a temporary server started by every stage process (~10 s each)."""
+    from pipeline.tracking import configure_environment
+    from stages.flows import shared_prefect_server
+
+    if os.environ.get("PREFECT_API_URL"):  # a server is configured already
+        raise typer.Exit(_wait_for(command, dict(os.environ)))
+    configure_environment(Path.cwd())  # the project's PREFECT_HOME, as its stages will have
+    with shared_prefect_server() as url:
+        code = _wait_for(command, os.environ | {"PREFECT_API_URL": url})
+    raise typer.Exit(code)
+
+
+def _wait_for(command: list[str], env: dict[str, str]) -> int:
+    """Run `command` to its end, through a Ctrl-C too (the terminal sends it to the command as
+    well, which stops itself); its exit code as a shell reports it (128 + a killing signal)."""
+    import signal
+    import subprocess
+
+    child = subprocess.Popen(command, env=env)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = child.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return code if code >= 0 else 128 - code
+
+
 def stage_help(name: str) -> str:
     """The first sentence of `stages/<name>.py`'s docstring, read without importing it (the
     stage modules import torch and Prefect; `--help` and a typo should answer at once)."""
@@ -188,6 +221,11 @@ app.command(  # a view of the tracking store, not a stage
     "runs", help="Held-out GenEval of every evaluated policy per tag, from MLflow, with CIs."
 )(runs)
 app.command("import-ablation", help=import_ablation.__doc__)(import_ablation)
+app.command(  # runs other commands, not a stage
+    "with-server",
+    help=with_server.__doc__,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)(with_server)
 
 
 def main() -> None:

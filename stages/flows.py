@@ -5,7 +5,8 @@ Every CLI stage runs as a one-task flow inside an MLflow child run; `train` is t
 looping rounds of rollout -> score -> advantages -> update (task modules never import each
 other: this flow composes them). `CREDITFLOW_ORCHESTRATION=inline` calls the
 task functions directly, without Prefect's temporary API server (about 10 s per process), which
-is what the unit tests use; the DVC pipeline and the CLI default to Prefect.
+is what the unit tests use; the DVC pipeline and the CLI default to Prefect. `creditflow
+with-server CMD` (`make run`) gives every stage of CMD one server (`shared_prefect_server`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import logging
 import os
 import signal
 import sys
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from pipeline.config import Config, CreditflowError
@@ -143,14 +145,19 @@ def one_line_user_errors() -> None:
 
 
 def prefect_ready() -> None:
-    """Start this process's temporary Prefect server while holding a lock on `PREFECT_HOME`:
-    each temporary server migrates the database and registers Prefect's block types when it
-    starts, and two starting at once on one database collide (three concurrent first uses of a
-    project timed out on a failed UNIQUE constraint). Started here, it is the server the flow
-    then uses (Prefect keeps one per process). With a real server nothing is imported: the
+    """Start this process's temporary Prefect server unless a real one is configured: the flow
+    then uses it (Prefect keeps one per process). With a real server nothing is imported: the
     server module alone took ~3-6 s of every stage's start-up."""
     if os.environ.get("PREFECT_API_URL"):  # a real server: it owns its database
         return
+    _start_temporary_server()
+
+
+def _start_temporary_server():
+    """Start Prefect's temporary server while holding a lock on `PREFECT_HOME`: each temporary
+    server migrates the database and registers Prefect's block types when it starts, and two
+    starting at once on one database collide (three concurrent first uses of a project timed
+    out on a failed UNIQUE constraint)."""
     from pathlib import Path
 
     from prefect.server.api.server import SubprocessASGIServer
@@ -159,7 +166,23 @@ def prefect_ready() -> None:
 
     home = Path(os.environ.get("PREFECT_HOME", Path.home() / ".prefect"))
     with file_lock(home / "server-start.lock"):
-        SubprocessASGIServer().start()
+        server = SubprocessASGIServer()
+        server.start()
+    return server
+
+
+@contextmanager
+def shared_prefect_server() -> Iterator[str]:
+    """One temporary Prefect server for every stage run inside the block; yields its API URL.
+    This process owns it (`pipeline.leftovers`: killed with -9, it leaves the server to the next
+    stage's orphan cleanup) and stops it when the block ends."""
+    claim_prefect_server()
+    stop_orphan_prefect_servers()
+    server = _start_temporary_server()
+    try:
+        yield server.api_url
+    finally:
+        server.stop()
 
 
 def train(cfg: Config) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """The whole DVC pipeline on smoke params in a scratch git clone: every stage through the real
-CLI and Prefect, every report file, a no-op second `dvc repro`, DVC metrics, and MLflow (both
-the Python API and the `mlflow ui` REST API on loopback)."""
+CLI and Prefect (one server for the repro, as `make run` has), every report file, a no-op second
+`dvc repro`, DVC metrics, and MLflow (both the Python API and the `mlflow ui` REST API on
+loopback)."""
 
 from __future__ import annotations
 
@@ -127,20 +128,13 @@ def serving(command: list[str], ready_url: str, cwd: Path, env: dict[str, str]) 
 
 @pytest.fixture(scope="module")
 def reproduced(tmp_path_factory):
-    """A git clone of the working tree with smoke params, after one `dvc repro`, with one Prefect
-    server for the module, as a user runs `prefect server start`: every stage is still a Prefect
-    flow, without a temporary server of its own (about 10 s a stage; the temporary server is
-    what the CLI tests in test_config.py and test_tracking.py go through)."""
+    """A git clone of the working tree with smoke params, after one `dvc repro` run as `make run`
+    runs it (`creditflow with-server dvc repro`): every stage is a Prefect flow, served by one
+    server for the whole repro instead of a temporary server per stage (about 10 s a stage;
+    that path is what the CLI tests in test_config.py and test_tracking.py go through)."""
     root, env = clone(tmp_path_factory.mktemp("pipeline") / "repo")
-    port = free_port()
-    env |= {"PREFECT_HOME": str(root / ".prefect"), "PREFECT_UI_ENABLED": "false"}
-    env |= {"PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1"}
-    server = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-              "--port", str(port)]  # fmt: skip
-    with serving(server, f"http://127.0.0.1:{port}/api/health", root, env):
-        env["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
-        first = run(["dvc", "repro"], root, env)
-        yield root, env, first
+    first = run(["creditflow", "with-server", "dvc", "repro"], root, env)
+    yield root, env, first
 
 
 def test_repro_produces_every_report_without_errors(reproduced):
@@ -275,9 +269,8 @@ def test_dvc_exp_run_reruns_only_what_the_override_touches(reproduced):
     `dvc exp run -S` re-runs the touched stages, resumes the persisted run, records the experiment
     with its per-tag metrics."""
     root, env, _ = reproduced
-    ran = run(
-        ["dvc", "exp", "run", "-S", "train.methods=[flow_grpo]", "-S", "train.rounds=3"], root, env
-    ).stdout
+    ablation = ["dvc", "exp", "run", "-S", "train.methods=[flow_grpo]", "-S", "train.rounds=3"]
+    ran = run(["creditflow", "with-server", *ablation], root, env).stdout
     assert "Running stage 'train@flow_grpo-0'" in ran
     assert "Running stage 'base'" not in ran and "Running stage 'train@stepwise-0'" not in ran
     rounds = json.loads((root / "reports/train/flow_grpo-s0/rounds.json").read_text())

@@ -79,10 +79,38 @@ def test_three_concurrent_first_uses_of_a_fresh_project_all_succeed(project):
     for run in runs:
         output = run.communicate(timeout=600)[0]
         assert run.returncode == 0, output[-2000:]
+        assert "Starting temporary server" in output  # no server configured: each starts one
     client = mlflow.tracking.MlflowClient(f"sqlite:///{project / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("creditflow").experiment_id])
     assert sorted(r.info.run_name for r in runs if PARENT_TAG not in r.data.tags) == ["prompts"] * 3
     assert sum(PARENT_TAG in r.data.tags for r in runs) == 1  # one parent, not three
+
+
+def test_with_server_gives_every_stage_of_its_command_one_server_and_stops_it(project):
+    """`creditflow with-server CMD` (what `make run` wraps `dvc repro` in): the stages CMD runs
+    use its server instead of starting their own, CMD's exit code is passed on, and the server
+    is gone afterwards."""
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "PREFECT_"))}
+    env |= {"OMP_NUM_THREADS": "1", "CREDITFLOW_ORCHESTRATION": "prefect"}
+    stage = f"{sys.executable} -m stages.cli prompts --params {project / 'params.yaml'}"
+    command = f"echo url=$PREFECT_API_URL && {stage} && {stage} && exit 3"
+    done = subprocess.run(
+        [sys.executable, "-m", "stages.cli", "with-server", "sh", "-c", command],
+        cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output[-2000:]
+    assert "Starting temporary server" not in output  # (each stage's own would say so)
+    assert output.count("Flow run 'prompts' - Finished in state Completed()") == 2
+    url = output.split("url=")[1].split()[0]
+    assert url.startswith("http://127.0.0.1:")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/health", timeout=5)
 
 
 def _client_runs(uri: str) -> list:
