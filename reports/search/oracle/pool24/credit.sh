@@ -3,7 +3,8 @@
 # two sampler swaps, judged on those lines and on the other 120 test lines; session 43 added
 # seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py);
 # session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap; session 45
-# seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run).
+# seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run); session
+# 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
@@ -36,3 +37,9 @@ python "$here/round0.py" "$here/round0.json" \
   --flow-sde $(runs train/flow_grpo "$seeds") $(runs sampler-swap/train/stepwise "$seeds") \
     $(runs train/tp_grpo "$tp_seeds") \
   --ddim-sde $(runs sampler-swap/train/flow_grpo "$seeds") $(runs train/stepwise "$seeds")
+# Session 47: session 46's prediction, stepwise with the exact completion
+# (`-S score.completion_steps=0`, eight seeds fixed before they were run), against the default
+# stepwise (primary) and against flow_grpo.
+exact=$(runs exact-completion/eval/stepwise "0 1 2 3 4 5 6 7")
+gain "$here/exact-completion-vs-stepwise.json" --policy $exact --reference $stepwise
+gain "$here/exact-completion-vs-flow_grpo.json" --policy $exact --reference $flow
