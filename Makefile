@@ -24,7 +24,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 test: lint
-	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=10
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m pytest -n 2 --dist loadfile --durations=10
 
 # One tiny SD3 GRPO round on a CUDA GPU (bf16); prints a skip message and succeeds without CUDA.
 cuda-smoke: setup

@@ -24,16 +24,6 @@ def _offline_inline(monkeypatch, tmp_path):
         monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for subprocesses (DVC, the CLI)
 
 
-SLOWEST_FIRST = ("test_pipeline_dvc.py",)  # the DVC smoke repro: the suite's critical path
-
-
-def pytest_collection_modifyitems(config, items):
-    """Collect the slowest module first, so that under `-n 2 --dist loadfile
-    --no-loadscope-reorder` one worker starts it at once while the other works through the rest
-    (xdist's default reorder, by tests per module, queued it seventeenth)."""
-    items.sort(key=lambda item: item.path.name not in SLOWEST_FIRST)
-
-
 def pytest_configure(config):
     """One torch thread per xdist worker: two workers oversubscribing two cores run 10x slower."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
