@@ -41,11 +41,9 @@ def stage_seconds(project: Path, env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
-def inner(out: Path, repeats: int) -> None:
-    """Run under `creditflow with-server`: time `repeats` stages on its server."""
-    project = Path.cwd()
-    times = [stage_seconds(project, dict(os.environ)) for _ in range(repeats)]
-    out.write_text(json.dumps(times))
+def inner(out: Path) -> None:
+    """Run under `creditflow with-server`: time one stage on its server."""
+    out.write_text(json.dumps(stage_seconds(Path.cwd(), dict(os.environ))))
 
 
 def main() -> None:
@@ -54,7 +52,7 @@ def main() -> None:
     parser.add_argument("--inner", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.inner:
-        inner(args.inner, args.repeats)
+        inner(args.inner)
         return
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
     env |= {"PYTHONPATH": str(REPO), "CREDITFLOW_ORCHESTRATION": "prefect"}
@@ -71,11 +69,11 @@ def main() -> None:
             )
             timings = project / "one_server.json"
             command = [sys.executable, "-m", "stages.cli", "with-server", sys.executable,
-                       __file__, "--inner", str(timings), "--repeats", "1"]  # fmt: skip
+                       __file__, "--inner", str(timings)]  # fmt: skip
             start = time.perf_counter()
             subprocess.run(command, cwd=project, env=env, check=True, capture_output=True)
             total = time.perf_counter() - start
-            (one,) = json.loads(timings.read_text())
+            one = json.loads(timings.read_text())
             seconds["one server"].append(one)
             server_start.append(total - one)
     median = {mode: statistics.median(seconds[mode]) for mode in MODES}
