@@ -251,6 +251,9 @@ class AdvantagesParams(Section):
     clip: PositiveFloat = 5.0
     global_std: bool = False  # flow_grpo: std of the whole round instead of the group
     normalization: Literal["joint", "per_step"] = "joint"  # stepwise
+    # stepwise: the last n trained steps take the final reward's advantage instead of their gain
+    # (0 = the paper's rule)
+    final_reward_steps: Annotated[int, Field(ge=0)] = 0
     tp_consistency: bool = True  # tp_grpo: sign(d_k) must agree with sign(R_sde - R_k)
     tp_first_step: bool = True  # tp_grpo: the k = 1 turning-point rule
     tp_balance: bool = True  # tp_grpo: balance turning points by the sign of their trend

@@ -11,7 +11,10 @@ Methods (DESIGN.md table):
 - ``stepwise`` (Savani et al. 2026): gains g_k = r_{k+1} − r_k of the reward of the x̂0 estimate
   at consecutive window boundary states; joint normalization pools all N_g·K gains of a group
   (mean-centred and scaled together, which keeps the larger early gains large), ``per_step``
-  normalizes each column per group (the paper's ablation).
+  normalizes each column per group (the paper's ablation). ``final_steps`` = n > 0 gives the
+  last n trained steps flow_grpo's final-reward advantage instead (a hybrid rule: the gains where
+  they track the true per-step advantage better, the final reward at the last steps, where only
+  the ODE follows and the final reward is exact up to the earlier steps' luck).
 - ``tp_grpo`` (Tong et al. 2026, TurningPoint-GRPO): incremental rewards d_k = R_k − R_{k−1} of ODE
   completions, replaced at turning points by the aggregated R_sde − R_{k−1}; normalized per step
   per group.
@@ -70,6 +73,40 @@ def stepwise_advantages(
     inverse, n_groups = _group_index(group_ids, gains.shape[0])
     mean, std = _group_moments(gains, inverse, n_groups, pool_columns=normalization == "joint")
     return _finish(gains - mean, std, clip)
+
+
+def stepwise_hybrid_advantages(
+    step_rewards: Tensor,
+    final_advantages: Tensor,
+    group_ids: Tensor,
+    *,
+    final_steps: int,
+    normalization: str = "joint",
+    clip: float = 5.0,
+) -> Tensor:
+    """Stepwise advantages on the first K − n trained steps, the final reward's on the last n.
+
+    step_rewards: (N, K+1) as in :func:`stepwise_advantages`; final_advantages: (N,), the
+    :func:`flow_grpo_advantages` of the final reward; final_steps: n, 0 ≤ n < K. The first K − n
+    gains are normalized among themselves (their own joint or per-step statistics), so every step
+    keeps an advantage of unit scale; n = 0 is :func:`stepwise_advantages` exactly. Returns
+    (N, K) fp32.
+    """
+    k = _as_matrix(step_rewards, "step reward", min_columns=2).shape[1] - 1
+    if not 0 <= final_steps < k:
+        raise ValueError(
+            f"final_steps must leave at least one of the {k} trained steps its gain "
+            f"(0 <= final_steps < {k}), got {final_steps}"
+        )
+    final = _as_column(final_advantages, "final advantage")  # (N, 1)
+    if final.shape[0] != step_rewards.shape[0]:
+        raise ValueError(
+            f"final_advantages has {final.shape[0]} rows, step_rewards {step_rewards.shape[0]}"
+        )
+    early = stepwise_advantages(
+        step_rewards[:, : k - final_steps + 1], group_ids, normalization=normalization, clip=clip
+    )  # (N, K − n)
+    return torch.cat([early, final.expand(-1, final_steps)], dim=1)
 
 
 def tp_grpo_turning_points(

@@ -78,6 +78,13 @@ class Schedule:
         steps = window.nonzero().flatten()
         if steps.numel() == 0:
             raise ValueError(f"the SDE window of sampler {kind!r} holds no trainable step")
+        hybrid, k = cfg.advantages.final_reward_steps, steps.numel()
+        if cfg.train.method == "stepwise" and hybrid >= k:
+            raise ValueError(
+                f"advantages.final_reward_steps={hybrid} leaves none of the {k} trained steps of "
+                f"sampler {kind!r} its step-wise gain: use a value below {k}, or flow_grpo for "
+                "the final reward at every step"
+            )
         eta = cfg.rollout.eta.get(kind, 0.0)
         return cls(kind, eta, cfg.sampling.guidance, sigmas, window, steps)
 
@@ -515,8 +522,14 @@ def assign_credit(
         columns = torch.cat([boundary, final[:, None]], dim=1)  # (N, K+1), last = R(x0)
         if method == "stepwise":
             step_rewards = credit.stepwise_gains(columns)
-            advantages = credit.stepwise_advantages(
-                columns, group_ids, normalization=adv_cfg.normalization, clip=adv_cfg.clip
+            step_rewards[:, k - adv_cfg.final_reward_steps :] = final[:, None]
+            advantages = credit.stepwise_hybrid_advantages(
+                columns,
+                final_adv,
+                group_ids,
+                final_steps=adv_cfg.final_reward_steps,
+                normalization=adv_cfg.normalization,
+                clip=adv_cfg.clip,
             )
         else:
             switches = {

@@ -9,6 +9,7 @@ from pipeline.credit import (
     flow_grpo_advantages,
     stepwise_advantages,
     stepwise_gains,
+    stepwise_hybrid_advantages,
     tp_grpo_advantages,
     tp_grpo_step_rewards,
     tp_grpo_turning_points,
@@ -103,6 +104,37 @@ def test_stepwise_groups_are_separate():
 def test_stepwise_rejects_unknown_normalization():
     with pytest.raises(ValueError, match="normalization"):
         stepwise_advantages(STEP_REWARDS, ONE_GROUP, normalization="global")
+
+
+def test_stepwise_hybrid_gives_the_last_steps_the_final_advantage():
+    # K = 3: the first two gains are STEP_REWARDS' ([1, 2] and [3, 0]), normalized jointly among
+    # themselves (the joint case above); the last step takes the final reward's advantage.
+    step_rewards = torch.cat([STEP_REWARDS, t([[2.0], [5.0]])], dim=1)
+    final = t([-0.75, 0.75])
+    got = stepwise_hybrid_advantages(step_rewards, final, ONE_GROUP, final_steps=1)
+    expected = stepwise_advantages(STEP_REWARDS, ONE_GROUP, normalization="joint")
+    torch.testing.assert_close(got, torch.cat([expected, final[:, None]], dim=1))
+    two = stepwise_hybrid_advantages(step_rewards, final, ONE_GROUP, final_steps=2)
+    torch.testing.assert_close(two[:, 1:], final[:, None].expand(2, 2))  # one gain: ±1
+    torch.testing.assert_close(two[:, 0], t([-1.0, 1.0]) / (1.0 + EPS))
+
+
+def test_stepwise_hybrid_without_final_steps_is_the_papers_rule():
+    step_rewards = torch.rand(6, 4, generator=torch.Generator().manual_seed(1))
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    for normalization in ("joint", "per_step"):
+        assert torch.equal(
+            stepwise_hybrid_advantages(
+                step_rewards, torch.ones(6), groups, final_steps=0, normalization=normalization
+            ),
+            stepwise_advantages(step_rewards, groups, normalization=normalization),
+        )
+
+
+@pytest.mark.parametrize("final_steps", [-1, 2, 3])
+def test_stepwise_hybrid_keeps_at_least_one_gain(final_steps):
+    with pytest.raises(ValueError, match=r"0 <= final_steps < 2"):
+        stepwise_hybrid_advantages(STEP_REWARDS, t([0.0, 0.0]), ONE_GROUP, final_steps=final_steps)
 
 
 # TP-GRPO, K = 5. R_0..R_5 = [.5, .25, .125, .625, .75, .875], R_sde = 1: Δ = .5 > 0,
@@ -254,3 +286,5 @@ def test_shape_errors():
         tp_grpo_step_rewards(torch.zeros(4), torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"\(N,\)"):
         flow_grpo_advantages(REWARDS[:, None], GROUPS, global_std=False)
+    with pytest.raises(ValueError, match="final_advantages has 3 rows, step_rewards 2"):
+        stepwise_hybrid_advantages(STEP_REWARDS, torch.zeros(3), ONE_GROUP, final_steps=1)

@@ -265,6 +265,56 @@ def test_report_examples_are_the_most_non_monotonic_trajectories():
     assert most_nonmonotonic(estimates, final, 0).tolist() == []
 
 
+def test_stepwise_hybrid_credit_gives_the_last_step_the_final_reward():
+    """`advantages.final_reward_steps=1`: stepwise's last trained step takes flow_grpo's
+    final-reward advantage and signal; the steps before it keep their normalized gains."""
+    import pandas as pd
+
+    from pipeline import credit, rounds
+    from pipeline.config import Config
+
+    cfg = Config(
+        train={"method": "stepwise"},
+        rollout={"sampler": "flow_grpo"},
+        advantages={"final_reward_steps": 1},
+    )
+    schedule = rounds.Schedule.from_config(cfg)
+    assert schedule.steps.tolist() == [0, 1, 2]
+    n, groups = 6, torch.tensor([4, 4, 4, 9, 9, 9])
+    values = torch.rand(n, 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    states = [*schedule.boundary_states[:-1].tolist(), cfg.sampling.num_steps]
+    table = pd.DataFrame(
+        [
+            {
+                "trajectory": i,
+                "step": state,
+                "estimator": "final" if column == 3 else cfg.score.estimator,
+                "reward": "mix",
+                "value": float(values[i, column]),
+            }
+            for i in range(n)
+            for column, state in enumerate(states)
+        ]
+    )
+    got = rounds.assign_credit("stepwise", table, groups, schedule, cfg)
+    torch.testing.assert_close(got.advantages[:, 2], got.final_advantages)
+    torch.testing.assert_close(got.step_rewards[:, 2], values[:, 3].float())
+    torch.testing.assert_close(got.step_rewards[:, :2], credit.stepwise_gains(values[:, :3]))
+    torch.testing.assert_close(
+        got.advantages[:, :2], credit.stepwise_advantages(values[:, :3], groups)
+    )
+
+
+def test_a_hybrid_that_leaves_stepwise_no_gain_is_refused_before_the_rollout():
+    from pipeline import rounds
+    from pipeline.config import Config
+
+    hybrid = {"advantages": {"final_reward_steps": 2}}  # stepwise's DDIM window trains 2 steps
+    with pytest.raises(ValueError, match="leaves none of the 2 trained steps"):
+        rounds.Schedule.from_config(Config(train={"method": "stepwise"}, **hybrid))
+    assert rounds.Schedule.from_config(Config(**hybrid)).steps.numel() == 3  # flow_grpo: unread
+
+
 def test_probe_curve_is_held_out_and_leaves_training_unchanged(tiny_project):
     import shutil
 
