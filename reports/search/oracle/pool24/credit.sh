@@ -4,7 +4,8 @@
 # seed 4 of flow_grpo and stepwise and seeds 3-5 of each swap, and the 2x2 split (factorial.py);
 # session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap; session 45
 # seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run); session
-# 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here).
+# 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here); session
+# 48 the hybrid credit rule, seeds 0-7 (hybrid/).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
@@ -43,3 +44,10 @@ python "$here/round0.py" "$here/round0.json" \
 exact=$(runs exact-completion/eval/stepwise "0 1 2 3 4 5 6 7")
 gain "$here/exact-completion-vs-stepwise.json" --policy $exact --reference $stepwise
 gain "$here/exact-completion-vs-flow_grpo.json" --policy $exact --reference $flow
+# Session 48: the hybrid credit rule (`-S rollout.sampler=flow_grpo -S
+# advantages.final_reward_steps=1`, eight seeds fixed before they were run; collected into
+# hybrid/ here) against the step-wise credit rule on Flow-GRPO's SDE (primary) and flow_grpo.
+hybrid=$(runs hybrid/eval/stepwise "0 1 2 3 4 5 6 7")
+gain "$here/hybrid-vs-stepwise-credit.json" --policy $hybrid \
+  --reference $(runs sampler-swap/eval/stepwise "$seeds")
+gain "$here/hybrid-vs-flow_grpo.json" --policy $hybrid --reference $flow
