@@ -5,7 +5,8 @@
 # session 44 seeds 5-6 of flow_grpo and stepwise, 4-5 of tp_grpo and 6 of each swap; session 45
 # seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run); session
 # 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here); session
-# 48 the hybrid credit rule, seeds 0-7 (hybrid/).
+# 48 the hybrid credit rule, seeds 0-7 (hybrid/); session 49 stepwise with Tweedie's estimate on
+# Flow-GRPO's SDE, seeds 0-5 (tweedie/), and the probe round by round (probe_rounds.py).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
@@ -51,3 +52,17 @@ hybrid=$(runs hybrid/eval/stepwise "0 1 2 3 4 5 6 7")
 gain "$here/hybrid-vs-stepwise-credit.json" --policy $hybrid \
   --reference $(runs sampler-swap/eval/stepwise "$seeds")
 gain "$here/hybrid-vs-flow_grpo.json" --policy $hybrid --reference $flow
+# Session 49: the step-wise credit rule with Tweedie's free estimate on Flow-GRPO's SDE (`-S
+# rollout.sampler=flow_grpo -S score.estimator=tweedie`, six seeds fixed before they were run;
+# collected into tweedie/ here) against flow_grpo (primary) and the step-wise cell.
+tweedie=$(runs tweedie/eval/stepwise "0 1 2 3 4 5")
+gain "$here/tweedie-vs-flow_grpo.json" --policy $tweedie --reference $flow
+gain "$here/tweedie-vs-stepwise-credit.json" --policy $tweedie \
+  --reference $(runs sampler-swap/eval/stepwise "$seeds")
+# The held-out probe round by round (sessions 48-49): equal rounds compare the signals, equal
+# NFEs the methods.
+python "$here/probe_rounds.py" "$here/probe-rounds.json" \
+  --group flow_grpo $(runs train/flow_grpo "$seeds") \
+  --group stepwise_credit_flow_grpo_sde $(runs sampler-swap/train/stepwise "$seeds") \
+  --group hybrid $(runs hybrid/train/stepwise "0 1 2 3 4 5 6 7") \
+  --group tweedie $(runs tweedie/train/stepwise "0 1 2 3 4 5")
