@@ -7,8 +7,9 @@ ODE). The credit rules stand in for it:
 
 - flow_grpo: the final reward R, group-normalized, at every step. R − V(x_k) is A*_k plus the
   luck of the other steps: noisy, not biased;
-- stepwise: the gain f(x_{k+1}) − f(x_k) of the reward f of an ODE estimate of the clean image,
-  jointly normalized. No luck of later steps in it, but biased where f differs from V;
+- stepwise: the gain f(x_{k+1}) − f(x_k) of the reward f of an ODE estimate of the clean image
+  (a coarse or the exact completion, or Tweedie's x − σv at no NFE), jointly normalized. No
+  luck of later steps in it, but biased where f differs from V;
 - tp_grpo: ODE-completion increments, R − f(x_k) at turning points, normalized per step.
 
 The benchmark rolls out the base policy with each SDE (Flow-GRPO's, the DDIM-style one) on a
@@ -47,6 +48,7 @@ RULES = {  # row name -> (method whose credit rule it is, overrides of its scori
     "flow_grpo (final reward)": ("flow_grpo", []),
     "stepwise (ODE gains, 3 Euler steps)": ("stepwise", []),
     "stepwise (ODE gains, exact completion)": ("stepwise", ["score.completion_steps=0"]),
+    "stepwise (Tweedie gains)": ("stepwise", ["score.estimator=tweedie"]),
     "tp_grpo (3 Euler steps)": ("tp_grpo", []),
 }
 
@@ -188,6 +190,7 @@ def one_round(backend, schedule, cfg, prompts, rewards, round_index: int, args):
         CountingVelocity,
         assign_credit,
         derived_seed,
+        estimators_for,
         reward_matrix,
         rollout_round,
         score_round,
@@ -204,8 +207,10 @@ def one_round(backend, schedule, cfg, prompts, rewards, round_index: int, args):
         rule_cfg = load_config(args.params, [f"rollout.sampler={schedule.kind}", *overrides])
         key = tuple(overrides)
         if key not in tables:
+            # tp_grpo's completion, and stepwise's own estimator where an override changes it
+            estimators = dict.fromkeys(("ode_completion", *estimators_for("stepwise", rule_cfg)))
             tables[key] = score_round(
-                backend, rollout, metadata, rewards, rule_cfg, estimators=("ode_completion",),
+                backend, rollout, metadata, rewards, rule_cfg, estimators=tuple(estimators),
                 schedule=schedule, counter=CountingVelocity(backend, cfg.sampling.guidance),
             ).table  # fmt: skip
         credit = assign_credit(method, tables[key], rollout.group_ids, schedule, rule_cfg)
