@@ -269,10 +269,12 @@ def plot_probe_curves(probes: Runs, path: Path) -> None:
             if values is None or x is None:
                 continue
             low, high = t_interval(values)
-            color = COLORS.get(method)
             label = f"{method} ({values.shape[0]} seed{'s' * (values.shape[0] > 1)})"
-            ax.plot(x.mean(axis=0), values.mean(axis=0), color=color, label=label, lw=1.6)
-            ax.fill_between(x.mean(axis=0), low, high, color=color, alpha=0.2)
+            (line,) = ax.plot(
+                x.mean(axis=0), values.mean(axis=0), color=COLORS.get(method), label=label, lw=1.6
+            )
+            # the line's colour, so that a name without one in COLORS keeps line and band alike
+            ax.fill_between(x.mean(axis=0), low, high, color=line.get_color(), alpha=0.2)
             drawn = True
         if not drawn:
             _no_data(ax, "no probe curve (train.eval_every = 0?)")

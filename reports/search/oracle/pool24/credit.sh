@@ -62,7 +62,7 @@ gain "$here/tweedie-vs-stepwise-credit.json" --policy $tweedie \
 # The held-out probe round by round (sessions 48-49): equal rounds compare the signals, equal
 # NFEs the methods.
 python "$here/probe_rounds.py" "$here/probe-rounds.json" \
-  --group flow_grpo $(runs train/flow_grpo "$seeds") \
-  --group stepwise_credit_flow_grpo_sde $(runs sampler-swap/train/stepwise "$seeds") \
-  --group hybrid $(runs hybrid/train/stepwise "0 1 2 3 4 5 6 7") \
-  --group tweedie $(runs tweedie/train/stepwise "0 1 2 3 4 5")
+  --group flow_grpo "$here" flow_grpo $seeds \
+  --group stepwise_credit_flow_grpo_sde "$here/sampler-swap" stepwise $seeds \
+  --group hybrid "$here/hybrid" stepwise 0 1 2 3 4 5 6 7 \
+  --group tweedie "$here/tweedie" stepwise 0 1 2 3 4 5
