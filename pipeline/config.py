@@ -209,6 +209,10 @@ class RolloutParams(Section):
     window_start: Annotated[int, Field(ge=0)] = 0  # first stochastic step
     window_end: int = 3  # one past the last stochastic step; -1 = all but the final step
     shared_noise: bool = True  # all samples of a group start from the same x_T
+    # Train on the first n test lines of each tag instead of the training split (0 = off): the
+    # held-out-free setting where the credit rules separate (4: the 24-line pool of
+    # reports/search.md, sessions 42-50); the report then reads each claim on those lines too.
+    train_on_test: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("eta")
     @classmethod

@@ -42,11 +42,39 @@ def load_prompts(cfg: Config, split: str) -> list[dict]:
     return world.read_prompts(prompts_file(cfg, split))
 
 
+def training_prompts_file(cfg: Config) -> Path:
+    """The file a run's training lines come from: the test split under `rollout.train_on_test`,
+    else the train split."""
+    return prompts_file(cfg, "test" if cfg.rollout.train_on_test else "train")
+
+
+def trained_test_lines(cfg: Config, test: list[dict]) -> list[int]:
+    """Indices into `test` of the lines trained on under `rollout.train_on_test` = n: the
+    first n lines of each tag, in the split's order (none when off)."""
+    n = cfg.rollout.train_on_test
+    picked: dict[str, list[int]] = {}
+    for index, line in enumerate(test):
+        if len(found := picked.setdefault(line["tag"], [])) < n:
+            found.append(index)
+    if short := {tag: len(found) for tag, found in picked.items() if len(found) < n}:
+        raise ConfigError(f"rollout.train_on_test={n}: the test split has only {short} lines")
+    return sorted(i for found in picked.values() for i in found)
+
+
+def training_prompts(cfg: Config) -> list[dict]:
+    """The lines a run trains on: the train split, or under `rollout.train_on_test` = n the
+    first n test lines of each tag (in the test split's order, so prompt ids index them)."""
+    lines = load_prompts(cfg, training_prompts_file(cfg).stem)
+    if not cfg.rollout.train_on_test:
+        return lines
+    return [lines[i] for i in trained_test_lines(cfg, lines)]
+
+
 def trajectory_metadata(cfg: Config, rollout: RoundRollout) -> list[dict]:
     """GenEval lines of a cached round's trajectories: the train-split lines its cached prompt ids
     name (a line's `id`, else its index). A line whose prompt is not the cached one means the
     train prompts changed since the round was sampled: one clear error, not a silent rematch."""
-    lines = load_prompts(cfg, "train")
+    lines = training_prompts(cfg)
     by_id = {str(line.get("id", index)): line for index, line in enumerate(lines)}
     found = []
     for prompt_id, prompt in zip(rollout.prompt_ids, rollout.prompts, strict=True):
@@ -54,8 +82,8 @@ def trajectory_metadata(cfg: Config, rollout: RoundRollout) -> list[dict]:
         if line is None or line["prompt"] != prompt:
             raise CreditflowError(
                 f"round {rollout.round} was sampled with train prompt {prompt_id} = {prompt!r}, "
-                f"which data/prompts/train.jsonl no longer holds: restore those prompts, or roll "
-                "the round out again"
+                f"which {training_prompts_file(cfg)} no longer holds: restore those prompts, or "
+                "roll the round out again"
             )
         found.append(line)
     return found

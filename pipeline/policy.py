@@ -53,7 +53,11 @@ _SPEED_KEYS = (
 )
 # Keys added after runs were first recorded, with the value those runs implicitly used: a run's
 # inputs name them only when they differ, so that a finished run still resumes on newer code.
-_ADDED_KEYS = {"update.lr_decay": '"constant"'}
+_ADDED_KEYS = {
+    "update.lr_decay": '"constant"',
+    "advantages.final_reward_steps": "0",
+    "rollout.train_on_test": "0",
+}
 REPLACED_DIR = ".replaced"  # data/train/.replaced/<run>-<time>: runs set aside by a restart
 LOCKS_DIR = ".locks"  # data/train/.locks/<run>.lock: who is training a run now
 _CONTENT_HASH_LIMIT = 64 * 2**20  # bytes; larger files (SD3.5 weights) go by size and mtime
@@ -191,7 +195,7 @@ def file_digest(path: Path) -> str:
 def run_inputs(cfg: Config) -> dict[str, str]:
     """What a training run's rounds depend on, flattened: the `train` stage's config sections,
     the method and seed, and digests of the base model and the train prompts."""
-    from pipeline.layout import prompts_file
+    from pipeline.layout import training_prompts_file
 
     flat = cfg.flat()
     inputs = {
@@ -204,7 +208,7 @@ def run_inputs(cfg: Config) -> dict[str, str]:
             del inputs[key]
     for name, path in [
         ("base_model", cfg.path(cfg.model.path)),
-        ("prompts", prompts_file(cfg, "train")),
+        ("prompts", training_prompts_file(cfg)),
     ]:
         inputs[f"digest.{name}"] = file_digest(path) if path.exists() else "missing"
     return inputs

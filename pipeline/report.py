@@ -397,6 +397,22 @@ def _claims_verdict(claims: Mapping[str, Mapping | None]) -> str:
     )
 
 
+def _test_lines_verdict(parts: Mapping[str, Mapping]) -> str:
+    """Under `rollout.train_on_test` (experiment.json's `by_test_lines`): each claim on the
+    trained test lines and on the held-out others; empty otherwise."""
+    if not parts:
+        return ""
+    texts = [
+        f"on the {part.replace('_', '-')} lines ({values['prompts']}): "
+        + "; ".join(claim_text(name, claim) for name, claim in values["claims"].items())
+        for part, values in parts.items()
+    ]
+    return (
+        "**The claims split by test line** (`rollout.train_on_test`: some test lines were "
+        "trained on every round, so only the others are held out): " + " — ".join(texts) + "."
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # where the misses go
 
@@ -848,6 +864,7 @@ def verdict(
     ]
     lines += [claim_text(name, claim) for name, claim in claims.items()]
     lines.append(_claims_verdict(claims))
+    lines.append(_test_lines_verdict(experiment.get("by_test_lines") or {}))
     methods, target = bench["methods"], bench["target_reward"]
     if methods:
         lines.append(

@@ -34,7 +34,7 @@ HEADLINE = ("rounds_ratio", "wallclock_ratio", "round_cost_ratio", "round_nfe_ra
 def bench(cfg: Config) -> dict:
     runs = read_training_runs(cfg.path(layout.REPORTS), cfg.train.methods, cfg.train.seeds)
     try:
-        backend, prompts = load_backend(cfg).eval(), layout.load_prompts(cfg, "train")
+        backend, prompts = load_backend(cfg).eval(), layout.training_prompts(cfg)
     except ConfigError as exc:
         result = benchmark(runs)
         result["rollout"], result["rollout_efficiency"] = [], None

@@ -199,11 +199,12 @@ def train(cfg: Config) -> dict[str, float]:
     """
     # imported here, not at the top: the other commands import this module and need none of it
     from pipeline import distributed
-    from pipeline.layout import train_run
+    from pipeline.layout import train_run, training_prompts
     from pipeline.policy import load_backend, run_lock
 
     run = train_run(cfg)
     backend = load_backend(cfg)  # first: a bad model path must fail before the run is touched
+    training_prompts(cfg)  # and so must training lines that cannot be read or drawn
     ranks = distributed.current()
     if ranks.distributed:
         _bind_to_job()

@@ -118,52 +118,87 @@ def claims_summary(cfg: Config, runs: Runs, missing: list[str]) -> dict:
     """`reports/experiment.json`: held-out GenEval (evaluate protocol) of the base and of each
     method per seed, each method's gain over the base (overall with a bootstrap CI over seeds
     and prompts, `report.bootstrap_difference`, and per tag), and each claim's difference with
-    its CI. A claim is null when a side has no evaluated seed."""
-    out = {"seeds": list(cfg.train.seeds), "base": {"geneval": None}, "methods": {}, "claims": {}}
-    out["claims"] = dict.fromkeys([*CLAIMS, *ABLATION_CLAIMS])
+    its CI (`measured_claims`). A claim is null when a side has no evaluated seed. Under
+    `rollout.train_on_test` the same again on the trained test lines and on the others
+    (`by_test_lines`): the trained ones are not held out."""
+    out = {"seeds": list(cfg.train.seeds)} | measured_claims(None, {}, {}, {}, np.array([]))
     try:
         test = layout.load_prompts(cfg, "test")
     except ConfigError:
         missing.append("the test prompts (data/prompts/test.jsonl), so no claim is measured")
         return out
     tags = np.array([TAGS.index(m["tag"]) for m in test])
-    if (base := eval_matrix(cfg, ["base"], test)) is not None:
-        out["base"]["geneval"] = float(rep.geneval_overall(base[0], tags))
-    matrices = {}
+    base = eval_matrix(cfg, ["base"], test)
+    matrices, nfe = {}, {}
     for method in cfg.train.methods:
         seeds = [s for s in cfg.train.seeds if s in runs.get(method, {})]
         matrix = eval_matrix(cfg, [layout.run_name(method, s) for s in seeds], test)
-        if matrix is None:
-            continue
-        matrices[method] = matrix
+        if matrix is not None:
+            matrices[method], nfe[method] = matrix, mean_nfe(runs[method], seeds)
+    ablated = {}
+    for name, (method, ablation) in ABLATION_CLAIMS.items():
+        found = ablation_runs(cfg, method, ablation, test) if method in matrices else None
+        if found is None:
+            missing.append(
+                f"claim {name}: needs the default {method} evaluations and those of the "
+                f"`{ablation}` ablation in {ABLATIONS / ablation} (`creditflow import-ablation`, "
+                "README 'Ablations')"
+            )
+        else:
+            ablated[name] = found
+    out |= measured_claims(base, matrices, nfe, ablated, tags)
+    if trained := layout.trained_test_lines(cfg, test):
+        keep = np.isin(np.arange(len(test)), trained)
+        out["by_test_lines"] = {
+            part: {"prompts": int(lines.sum())}
+            | measured_claims(
+                None if base is None else base[:, lines],
+                {m: matrix[:, lines] for m, matrix in matrices.items()},
+                nfe,
+                {name: (matrix[:, lines], n) for name, (matrix, n) in ablated.items()},
+                tags[lines],
+            )
+            for part, lines in (("trained", keep), ("held_out", ~keep))
+        }
+    return out
+
+
+def measured_claims(
+    base: np.ndarray | None,
+    matrices: Mapping[str, np.ndarray],
+    nfe: Mapping[str, float | None],
+    ablated: Mapping[str, tuple[np.ndarray, float | None]],
+    tags: np.ndarray,
+) -> dict:
+    """experiment.json's `base`, `methods` and `claims` from per-prompt accuracies: the base's
+    (1, P) or None, each method's (seeds, P) with its mean training NFEs, and per ablation
+    claim the ablated runs' (seeds, P) and NFEs; `tags` (P,) the prompts' tag ids."""
+    out: dict = {"base": {"geneval": None}, "methods": {}}
+    out["claims"] = dict.fromkeys([*CLAIMS, *ABLATION_CLAIMS])
+    if base is not None:
+        out["base"]["geneval"] = float(rep.geneval_overall(base[0], tags))
+    for method, matrix in matrices.items():
         per_seed = [float(rep.geneval_overall(row, tags)) for row in matrix]
         out["methods"][method] = {
             "geneval": float(np.mean(per_seed)),
             "geneval_per_seed": per_seed,
-            "nfe": mean_nfe(runs[method], seeds),
+            "nfe": nfe[method],
         }
-    if base is not None:
-        for method, matrix in matrices.items():
+        if base is not None:
             gain = rep.difference(matrix, base, tags) | {
                 "per_tag": rep.tag_gains(matrix, base, tags)
             }
             out["methods"][method]["gain_over_base"] = gain
     for name, (challenger, baseline) in CLAIMS.items():
         if challenger in matrices and baseline in matrices:
-            nfe = (out["methods"][challenger]["nfe"], out["methods"][baseline]["nfe"])
-            out["claims"][name] = claim(matrices[challenger], matrices[baseline], tags, nfe)
-    for name, (method, ablation) in ABLATION_CLAIMS.items():
-        if method in matrices:
-            nfe = out["methods"][method]["nfe"]
-            out["claims"][name] = ablation_claim(
-                cfg, method, ablation, matrices[method], nfe, test, tags
+            out["claims"][name] = claim(
+                matrices[challenger], matrices[baseline], tags, (nfe[challenger], nfe[baseline])
             )
-        if out["claims"][name] is None:
-            missing.append(
-                f"claim {name}: needs the default {method} evaluations and those of the "
-                f"`{ablation}` ablation in {ABLATIONS / ablation} (`creditflow import-ablation`, "
-                "README 'Ablations')"
-            )
+    for name, (ablated_matrix, ablated_nfe) in ablated.items():
+        method = ABLATION_CLAIMS[name][0]
+        out["claims"][name] = claim(
+            matrices[method], ablated_matrix, tags, (nfe[method], ablated_nfe)
+        )
     return out
 
 
@@ -176,18 +211,12 @@ def claim(a: np.ndarray, b: np.ndarray, tags: np.ndarray, nfe: tuple[float, floa
     }
 
 
-def ablation_claim(
-    cfg: Config,
-    method: str,
-    ablation: str,
-    matrix: np.ndarray,
-    nfe: float,
-    test: list[dict],
-    tags: np.ndarray,
-) -> dict | None:
-    """The default runs of `method` (challenger: their per-prompt accuracy `matrix` and mean
-    training `nfe`) against its runs in `reports/ablations/<ablation>/` (baseline), over the
-    seeds the ablation evaluated; None when it has none or its verdicts lack a test prompt."""
+def ablation_runs(
+    cfg: Config, method: str, ablation: str, test: list[dict]
+) -> tuple[np.ndarray, float | None] | None:
+    """`method`'s runs in `reports/ablations/<ablation>/`, over the seeds the ablation
+    evaluated: their per-prompt accuracy (seeds, test prompts) and mean training NFEs; None when
+    it has none or its verdicts lack a test prompt."""
     folder = cfg.path(ABLATIONS / ablation)
     seeds = [s for s in cfg.train.seeds
              if (folder / "eval" / layout.run_name(method, s) / RESULTS).is_file()]  # fmt: skip
@@ -195,7 +224,7 @@ def ablation_claim(
     if ablated is None:  # no evaluated seed, or verdicts on other test prompts
         return None
     trained = read_training_runs(folder, [method], seeds).get(method, {})
-    return claim(matrix, ablated, tags, (nfe, mean_nfe(trained, list(trained))))
+    return ablated, mean_nfe(trained, list(trained))
 
 
 def mean_nfe(seeds: Mapping[int, pd.DataFrame], which: list[int]) -> float | None:

@@ -26,7 +26,7 @@ def rollout(
     ranks = distributed.current()
     run = Path(run) if run else layout.train_run(cfg)
     policy = policy or restore(cfg, run, before_round=round_index)
-    prompts = layout.load_prompts(cfg, "train")
+    prompts = layout.training_prompts(cfg)
     schedule = rounds.Schedule.from_config(cfg)
     counter = rounds.CountingVelocity(policy.backend, cfg.sampling.guidance)
     chosen = rounds.select_prompts(

@@ -145,3 +145,29 @@ def test_import_ablation_command_keeps_the_runs_and_refuses_a_second_time_in_one
     assert again.returncode != 0
     assert again.stderr.strip().count("\n") == 0
     assert again.stderr.startswith("error: ") and "never overwritten" in again.stderr
+
+
+def test_under_train_on_test_each_claim_is_also_read_on_the_trained_and_the_other_lines(ablated):
+    """`rollout.train_on_test=1` trains on the first test line of each tag (here the plain circle
+    and the red one): experiment.json keeps every claim over all test lines and adds them on
+    those lines and on the held-out others."""
+    from pipeline.bench import read_training_runs
+
+    project, other = ablated
+    import_ablation(load_config(project / "params.yaml"), "per_step", other, "stepwise")
+    runs = read_training_runs(project / "reports", ["stepwise"], [0, 1])
+    overrides = ["train.methods=[stepwise]", "train.seeds=[0,1]"]
+    plain = claims_summary(load_config(project / "params.yaml", overrides), runs, [])
+    assert "by_test_lines" not in plain
+    cfg = load_config(project / "params.yaml", [*overrides, "rollout.train_on_test=1"])
+    out = claims_summary(cfg, runs, [])
+    assert out["claims"] == plain["claims"]
+    trained, held_out = out["by_test_lines"]["trained"], out["by_test_lines"]["held_out"]
+    assert trained["prompts"] == held_out["prompts"] == 2
+    # per seed: s0 judged [1, 1, 0, 0], s1 [1, 0, 1, 0]; lines 0 and 2 trained
+    assert trained["methods"]["stepwise"]["geneval_per_seed"] == pytest.approx([0.5, 1.0])
+    assert held_out["methods"]["stepwise"]["geneval_per_seed"] == pytest.approx([0.5, 0.0])
+    # per step [0, 0, 0, 0] and [1, 0, 0, 0]: trained lines .5 - .25, held out .25 - 0
+    assert trained["claims"]["joint_vs_per_step"]["diff"] == pytest.approx(0.5)
+    assert held_out["claims"]["joint_vs_per_step"]["diff"] == pytest.approx(0.25)
+    assert trained["claims"]["stepwise_vs_flow_grpo"] is None  # no flow_grpo run

@@ -516,6 +516,14 @@ def test_verdict_puts_held_out_numbers_and_claims_before_the_training_reward():
     assert lines[4] == "joint_vs_per_step: not measured"
     assert "stepwise **no, worse** (-0.050" in lines[5]
     assert "tp_grpo **not separated** (+0.010" in lines[5]
+    assert not any("split by test line" in line for line in lines)
+    by_lines = {
+        part: {"prompts": n, "claims": claims} for part, n in (("trained", 2), ("held_out", 4))
+    }
+    lines = rep.verdict({}, bench, {}, {}, probes, {"claims": claims, "by_test_lines": by_lines})
+    assert lines[6].startswith("**The claims split by test line** (`rollout.train_on_test`")
+    assert "on the trained lines (2): stepwise_vs_flow_grpo: -0.050" in lines[6]
+    assert "— on the held-out lines (4): stepwise_vs_flow_grpo: -0.050" in lines[6]
 
 
 def test_tag_gains_average_seeds_then_prompts_of_each_tag():

@@ -28,3 +28,21 @@ def test_every_curve_of_the_overlays_is_committed():
         ((name, spec),) = plot.items()
         missing = [f for f in spec["y"] if not (REPO / f).is_file()]
         assert not missing, f"{name}: {missing}"
+
+
+def test_train_on_test_4_is_the_pool_of_the_committed_credit_experiments():
+    """`rollout.train_on_test=4` on the default test split trains on exactly the 24 lines of
+    `reports/search/oracle/pool24/prompts.jsonl` (sessions 42-50), so `dvc exp run -S
+    rollout.train_on_test=4` reruns those experiments."""
+    from pipeline import world
+    from pipeline.config import load_config
+    from pipeline.layout import trained_test_lines
+
+    cfg = load_config(REPO / "params.yaml", ["rollout.train_on_test=4"])
+    _, test = world.make_prompts(
+        cfg.prompts.n_train, cfg.prompts.n_test, seed=cfg.prompts.seed,
+        shapes=tuple(cfg.world.shapes), colors=tuple(cfg.world.colors),
+        max_count=cfg.world.max_count, mix=cfg.prompts.mix,
+    )  # fmt: skip
+    pool = world.read_prompts(REPO / "reports/search/oracle/pool24/prompts.jsonl")
+    assert [test[i] for i in trained_test_lines(cfg, test)] == pool

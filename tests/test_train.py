@@ -463,6 +463,34 @@ def test_a_round_is_scored_with_the_prompts_it_cached_and_a_changed_split_is_ref
         score.fn(cfg, run, 0)
 
 
+def test_train_on_test_trains_on_the_first_test_lines_of_each_tag(tiny_project):
+    """`rollout.train_on_test=1`: the rounds draw only the first test line of each tag (the
+    tiny split has two a tag), score them by those lines, and the run's inputs digest the test
+    split; more lines than a tag has is one clear error."""
+    from pipeline.config import ConfigError
+    from pipeline.layout import load_prompts, prompts_file, trajectory_metadata
+    from pipeline.policy import file_digest
+    from pipeline.trajectories import read_rollout
+
+    overrides = ["rollout.train_on_test=1", "train.rounds=1", "rollout.prompts_per_round=6"]
+    cfg, _ = train(tiny_project, overrides)
+    test = load_prompts(cfg, "test")
+    firsts = [
+        next(m for m in test if m["tag"] == tag) for tag in dict.fromkeys(m["tag"] for m in test)
+    ]
+    rollout = read_rollout(train_run(cfg) / "rollouts", 0)
+    assert sorted(set(rollout.prompts)) == sorted(m["prompt"] for m in firsts)
+    assert trajectory_metadata(cfg, rollout) == [firsts[int(i)] for i in rollout.prompt_ids]
+    recorded = (train_run(cfg) / INPUTS_FILE).read_text()
+    inputs = json.loads(recorded)
+    assert inputs["digest.prompts"] == file_digest(prompts_file(cfg, "test"))
+    assert inputs["rollout.train_on_test"] == "1"
+    with pytest.raises(ConfigError, match="rollout.train_on_test=3: the test split has only"):
+        train(tiny_project, ["rollout.train_on_test=3", "train.rounds=1"])
+    assert (train_run(cfg) / INPUTS_FILE).read_text() == recorded
+    assert not (train_run(cfg).parent / REPLACED_DIR).exists()  # the finished run left in place
+
+
 @pytest.mark.parametrize(
     ("method", "overrides"),
     [
@@ -665,6 +693,32 @@ def test_a_decaying_lr_steps_each_round_by_its_nfes_and_resumes_alike(tiny_proje
     assert [r["train/lr"] for r in json.loads(_rounds_json(cfg).read_text())] == pytest.approx(
         expected
     )
+
+
+# The keys a run recorded in its inputs.json before `advantages.final_reward_steps` (session 48)
+# existed: a key added since must name the value those runs used in policy._ADDED_KEYS, or every
+# finished run is set aside and trained again from round 0 on its next resume.
+RECORDED_BEFORE_SESSION_48 = set(
+    """
+    advantages.clip advantages.global_std advantages.normalization advantages.tp_balance
+    advantages.tp_consistency advantages.tp_first_step digest.base_model digest.prompts
+    model.backend model.dtype model.max_sequence_length model.path model.resolution
+    rollout.eta.cps rollout.eta.flow_grpo rollout.eta.stepwise rollout.group_size
+    rollout.prompts_per_round rollout.sampler rollout.shared_noise rollout.window_end
+    rollout.window_start sampling.eval_num_steps sampling.guidance sampling.num_steps
+    sampling.shift score.clip_path score.color_clip_path score.completion_steps
+    score.detector_nms_iou score.detector_path score.estimator score.ode_substeps
+    score.rewards.geneval train.method train.seed update.clip_range update.inner_epochs
+    update.kl_beta update.lora_alpha update.lora_rank update.lr update.max_grad_norm
+    update.minibatch_size update.weight_decay
+    """.split()
+)
+
+
+def test_runs_recorded_before_later_settings_still_resume(tiny_project):
+    """A run recorded before settings were added resumes when those settings keep the values it
+    used: the default config's inputs name exactly the keys such a run recorded."""
+    assert set(run_inputs(load_config(tiny_project / "params.yaml"))) == RECORDED_BEFORE_SESSION_48
 
 
 def test_a_constant_lr_is_not_recorded_so_runs_from_before_the_setting_resume(tiny_project):
