@@ -6,7 +6,8 @@
 # seeds 7-8 of every 2x2 cell (the last: nine seeds a cell, fixed before they were run); session
 # 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here); session
 # 48 the hybrid credit rule, seeds 0-7 (hybrid/); session 49 stepwise with Tweedie's estimate on
-# Flow-GRPO's SDE, seeds 0-5 (tweedie/), and the probe round by round (probe_rounds.py).
+# Flow-GRPO's SDE, seeds 0-5 (tweedie/), and the probe round by round (probe_rounds.py); session
+# 50 seeds 6-8 of tp_grpo (nine seeds, as every 2x2 cell) and per-step normalization (per-step/).
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
@@ -59,10 +60,15 @@ tweedie=$(runs tweedie/eval/stepwise "0 1 2 3 4 5")
 gain "$here/tweedie-vs-flow_grpo.json" --policy $tweedie --reference $flow
 gain "$here/tweedie-vs-stepwise-credit.json" --policy $tweedie \
   --reference $(runs sampler-swap/eval/stepwise "$seeds")
-# The held-out probe round by round (sessions 48-49): equal rounds compare the signals, equal
+# The held-out probe round by round (sessions 48-50): equal rounds compare the signals, equal
 # NFEs the methods.
 python "$here/probe_rounds.py" "$here/probe-rounds.json" \
   --group flow_grpo "$here" flow_grpo $seeds \
   --group stepwise_credit_flow_grpo_sde "$here/sampler-swap" stepwise $seeds \
   --group hybrid "$here/hybrid" stepwise 0 1 2 3 4 5 6 7 \
-  --group tweedie "$here/tweedie" stepwise 0 1 2 3 4 5
+  --group tweedie "$here/tweedie" stepwise 0 1 2 3 4 5 \
+  --group tp_grpo "$here" tp_grpo $seeds
+# Session 50: tp_grpo at nine seeds (6-8 added; the count fixed before they finished) against
+# flow_grpo, the issue's second claim where GRPO learns; the lines above keep session 44's six.
+gain "$here/tp_grpo-nine-seeds-vs-flow_grpo.json" --policy $(runs eval/tp_grpo "$seeds") \
+  --reference $flow
