@@ -67,8 +67,16 @@ python "$here/probe_rounds.py" "$here/probe-rounds.json" \
   --group stepwise_credit_flow_grpo_sde "$here/sampler-swap" stepwise $seeds \
   --group hybrid "$here/hybrid" stepwise 0 1 2 3 4 5 6 7 \
   --group tweedie "$here/tweedie" stepwise 0 1 2 3 4 5 \
-  --group tp_grpo "$here" tp_grpo $seeds
+  --group tp_grpo "$here" tp_grpo $seeds \
+  --group stepwise "$here" stepwise $seeds \
+  --group stepwise_per_step "$here/per-step" stepwise 0 1 2
 # Session 50: tp_grpo at nine seeds (6-8 added; the count fixed before they finished) against
 # flow_grpo, the issue's second claim where GRPO learns; the lines above keep session 44's six.
 gain "$here/tp_grpo-nine-seeds-vs-flow_grpo.json" --policy $(runs eval/tp_grpo "$seeds") \
   --reference $flow
+# Session 50: stepwise with per-step normalization (`-S advantages.normalization=per_step`, seeds
+# 0-2, the count fixed before they finished; collected into per-step/ here): the committed joint
+# stepwise minus it (primary), and it against flow_grpo.
+per_step=$(runs per-step/eval/stepwise "0 1 2")
+gain "$here/joint-vs-per-step.json" --policy $stepwise --reference $per_step
+gain "$here/per-step-vs-flow_grpo.json" --policy $per_step --reference $flow
