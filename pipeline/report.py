@@ -8,6 +8,7 @@ min–max ranges do not overlap.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -25,6 +26,8 @@ from pipeline.geneval import RELATIONS, TAGS, summarize
 from pipeline.io import atomic_path
 
 COLORS = {"base": "#7f7f7f", "flow_grpo": "#1f77b4", "stepwise": "#ff7f0e", "tp_grpo": "#2ca02c"}
+# for groups outside COLORS (ablations, search cells): matplotlib's tab10 less COLORS' colours
+SPARE_COLORS = ("#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 DASH = "—"
 
 
@@ -250,6 +253,13 @@ def _score(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def line_colors(names: Sequence[str]) -> dict[str, str]:
+    """A colour per name: COLORS' for the methods and the base, the spare colours in turn for
+    every other name, so that no two of up to six such groups share a method's colour."""
+    spare = itertools.cycle(SPARE_COLORS)
+    return {name: COLORS.get(name) or next(spare) for name in names}
+
+
 def plot_probe_curves(probes: Runs, path: Path) -> None:
     """Held-out probe GenEval (`probe/geneval`, test prompts, evaluation sampler) against rounds,
     cumulative training NFEs and seconds: per method the mean over seeds, shaded its 95 %
@@ -262,7 +272,7 @@ def plot_probe_curves(probes: Runs, path: Path) -> None:
         ("rounds trained", "training NFEs", "training seconds"),
         strict=True,
     ):
-        drawn = False
+        drawn, colors = False, line_colors(list(probes))
         for method, seeds in probes.items():
             values = seed_matrix(seeds, "probe/geneval")  # (S, P)
             x = seed_matrix(seeds, x_column)
@@ -270,11 +280,9 @@ def plot_probe_curves(probes: Runs, path: Path) -> None:
                 continue
             low, high = t_interval(values)
             label = f"{method} ({values.shape[0]} seed{'s' * (values.shape[0] > 1)})"
-            (line,) = ax.plot(
-                x.mean(axis=0), values.mean(axis=0), color=COLORS.get(method), label=label, lw=1.6
-            )
-            # the line's colour, so that a name without one in COLORS keeps line and band alike
-            ax.fill_between(x.mean(axis=0), low, high, color=line.get_color(), alpha=0.2)
+            color = colors[method]
+            ax.plot(x.mean(axis=0), values.mean(axis=0), color=color, label=label, lw=1.6)
+            ax.fill_between(x.mean(axis=0), low, high, color=color, alpha=0.2)
             drawn = True
         if not drawn:
             _no_data(ax, "no probe curve (train.eval_every = 0?)")

@@ -563,3 +563,11 @@ def test_targets_verdict_reads_each_gain_and_the_best_methods_seeds():
     flow["gain_over_base"]["diff"] = 0.149
     assert "target ≥ +0.15: not met" in targets_line(experiment)
     assert targets_line({"base": {"geneval": None}, "methods": {"tp_grpo": tp}}) is None
+
+
+def test_line_colors_keep_the_methods_and_give_other_groups_colours_no_method_has():
+    colors = rep.line_colors(["flow_grpo", "hybrid", "stepwise", "tweedie", "per_step"])
+    assert colors["flow_grpo"] == rep.COLORS["flow_grpo"]
+    assert colors["stepwise"] == rep.COLORS["stepwise"]
+    others = [colors[name] for name in ("hybrid", "tweedie", "per_step")]
+    assert len(set(others)) == 3 and not set(others) & set(rep.COLORS.values())
