@@ -31,7 +31,8 @@ STAGES = {
     "evaluate": ("model", "sampling", "evaluate"),
     "report": (
         *("train.methods", "train.seeds", "train.rounds", "train.nfe_budget"),
-        *("rollout.prompts_per_round", "rollout.group_size", "sampling.num_steps"),
+        *("rollout.prompts_per_round", "rollout.group_size", "rollout.train_on_test"),
+        "sampling.num_steps",
         *("model.backend", "score.rewards"),
     ),
     "rescore": ("rescore", "score", "advantages", "sampling", "rollout", "model", "update"),
