@@ -1,7 +1,8 @@
 #!/bin/bash
 # One lane of search runs (sessions 42-51): train, then evaluate, each run in turn, in the checkout
 # DIR (a worktree whose data/base is the committed base), at one torch thread and without a
-# Prefect server, so that two lanes share the 2 cores without oversubscription.
+# Prefect server, so that two lanes share the 2 cores without oversubscription. Run it with the
+# project's virtual environment active (`source .venv/bin/activate`).
 #   bash reports/search/oracle/lane.sh DIR "METHOD SEED [-S key=value ...]" ...
 # e.g. bash reports/search/oracle/lane.sh ../wt1 "stepwise 3 -S rollout.train_on_test=4"
 set -euo pipefail

@@ -7,7 +7,9 @@
 # 47 stepwise with the exact completion, seeds 0-7 (collected into exact-completion/ here); session
 # 48 the hybrid credit rule, seeds 0-7 (hybrid/); session 49 stepwise with Tweedie's estimate on
 # Flow-GRPO's SDE, seeds 0-5 (tweedie/), and the probe round by round (probe_rounds.py); session
-# 50 seeds 6-8 of tp_grpo (nine seeds, as every 2x2 cell) and per-step normalization (per-step/).
+# 50 seeds 6-8 of tp_grpo (nine seeds, as every 2x2 cell) and per-step normalization (per-step/);
+# session 51 per-step seeds 3-8 and seeds 9-11 of tp_grpo and flow_grpo, trained through
+# `-S rollout.train_on_test=4` with ../lane.sh and collected with ../collect.sh.
 #   bash reports/search/oracle/pool24/credit.sh   (from the repository root, after the runs were
 #   collected into eval/ and sampler-swap/eval/ here)
 set -e
@@ -16,6 +18,7 @@ gain() { python "$here/../pool_gain.py" "$@" --pool "$here/prompts.jsonl" --base
 runs() { for s in $2; do echo "$here/$1-s$s"; done; }
 seeds="0 1 2 3 4 5 6 7 8"  # every cell of the 2x2
 tp_seeds="0 1 2 3 4 5"
+twelve="$seeds 9 10 11"  # tp_grpo and flow_grpo from session 51
 flow=$(runs eval/flow_grpo "$seeds")
 stepwise=$(runs eval/stepwise "$seeds")
 gain "$here/credit-flow_grpo.json" --policy $flow
@@ -60,16 +63,16 @@ tweedie=$(runs tweedie/eval/stepwise "0 1 2 3 4 5")
 gain "$here/tweedie-vs-flow_grpo.json" --policy $tweedie --reference $flow
 gain "$here/tweedie-vs-stepwise-credit.json" --policy $tweedie \
   --reference $(runs sampler-swap/eval/stepwise "$seeds")
-# The held-out probe round by round (sessions 48-50): equal rounds compare the signals, equal
+# The held-out probe round by round (sessions 48-51): equal rounds compare the signals, equal
 # NFEs the methods.
 python "$here/probe_rounds.py" "$here/probe-rounds.json" \
-  --group flow_grpo "$here" flow_grpo $seeds \
+  --group flow_grpo "$here" flow_grpo $twelve \
   --group stepwise_credit_flow_grpo_sde "$here/sampler-swap" stepwise $seeds \
   --group hybrid "$here/hybrid" stepwise 0 1 2 3 4 5 6 7 \
   --group tweedie "$here/tweedie" stepwise 0 1 2 3 4 5 \
-  --group tp_grpo "$here" tp_grpo $seeds \
+  --group tp_grpo "$here" tp_grpo $twelve \
   --group stepwise "$here" stepwise $seeds \
-  --group stepwise_per_step "$here/per-step" stepwise 0 1 2
+  --group stepwise_per_step "$here/per-step" stepwise $seeds
 # Session 50: tp_grpo at nine seeds (6-8 added; the count fixed before they finished) against
 # flow_grpo, the issue's second claim where GRPO learns; the lines above keep session 44's six.
 gain "$here/tp_grpo-nine-seeds-vs-flow_grpo.json" --policy $(runs eval/tp_grpo "$seeds") \
@@ -80,3 +83,14 @@ gain "$here/tp_grpo-nine-seeds-vs-flow_grpo.json" --policy $(runs eval/tp_grpo "
 per_step=$(runs per-step/eval/stepwise "0 1 2")
 gain "$here/joint-vs-per-step.json" --policy $stepwise --reference $per_step
 gain "$here/per-step-vs-flow_grpo.json" --policy $per_step --reference $flow
+# Session 51: per-step normalization at nine seeds (3-8 added; the count and a stopping time fixed
+# before they finished) against the joint rule's nine, and against flow_grpo's nine.
+per_step_nine=$(runs per-step/eval/stepwise "$seeds")
+gain "$here/joint-vs-per-step-nine-seeds.json" --policy $stepwise --reference $per_step_nine
+gain "$here/per-step-nine-seeds-vs-flow_grpo.json" --policy $per_step_nine --reference $flow
+# Session 51: tp_grpo and flow_grpo at twelve seeds each (9-11 added; the last look at this
+# contrast, fixed before they ran), and stepwise's nine against the twelve flow_grpo seeds.
+flow_twelve=$(runs eval/flow_grpo "$twelve")
+gain "$here/tp_grpo-twelve-seeds-vs-flow_grpo.json" --policy $(runs eval/tp_grpo "$twelve") \
+  --reference $flow_twelve
+gain "$here/stepwise-vs-flow_grpo-twelve-seeds.json" --policy $stepwise --reference $flow_twelve
