@@ -42,10 +42,14 @@ def load_prompts(cfg: Config, split: str) -> list[dict]:
     return world.read_prompts(prompts_file(cfg, split))
 
 
+def training_split(cfg: Config) -> str:
+    """The split a run's training lines come from: the test split under
+    `rollout.train_on_test`, else the train split."""
+    return "test" if cfg.rollout.train_on_test else "train"
+
+
 def training_prompts_file(cfg: Config) -> Path:
-    """The file a run's training lines come from: the test split under `rollout.train_on_test`,
-    else the train split."""
-    return prompts_file(cfg, "test" if cfg.rollout.train_on_test else "train")
+    return prompts_file(cfg, training_split(cfg))
 
 
 def trained_test_lines(cfg: Config, test: list[dict]) -> list[int]:
@@ -64,7 +68,7 @@ def trained_test_lines(cfg: Config, test: list[dict]) -> list[int]:
 def training_prompts(cfg: Config) -> list[dict]:
     """The lines a run trains on: the train split, or under `rollout.train_on_test` = n the
     first n test lines of each tag (in the test split's order, so prompt ids index them)."""
-    lines = load_prompts(cfg, training_prompts_file(cfg).stem)
+    lines = load_prompts(cfg, training_split(cfg))
     if not cfg.rollout.train_on_test:
         return lines
     return [lines[i] for i in trained_test_lines(cfg, lines)]
